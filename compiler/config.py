@@ -1,0 +1,111 @@
+"""Config files: `{"model": {...ModelArgs keys...}, "compile": {...}}`, by path or packaged name.
+
+`--config tiny` and `--config tiny.json` both find the packaged `compiler/configs/tiny.json` when no
+such file exists in the working directory; a path that exists always wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsneuron.graphs.config import ConfigError, ModelConfig, _coerce
+
+PACKAGED = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What to compile: bucket lists and the checkpoint.
+
+    max_seq_len: context capacity in tokens (sizes every state buffer).
+    batch_sizes: batch dimension of every bucket.
+    prefill_seq_lens: prefill bucket lengths; [] means generated (powers of two from 128 up to
+        max_seq_len, plus max_seq_len).
+    decode_context_lens: decode bucket context capacities (<= max_seq_len).
+    checkpoint: a checkpoint folder; null makes the deterministic random one with `seed`.
+    """
+
+    max_seq_len: int
+    batch_sizes: tuple[int, ...]
+    prefill_seq_lens: tuple[int, ...]
+    decode_context_lens: tuple[int, ...]
+    checkpoint: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
+        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in raw]
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]}: missing required key")
+        values = {}
+        for name, f in fields.items():
+            if name not in raw:
+                continue
+            if name == "checkpoint":
+                if raw[name] is not None and not isinstance(raw[name], str):
+                    raise ConfigError(f"{where}.checkpoint: expected a path string or null")
+                values[name] = raw[name]
+            else:
+                values[name] = _coerce(raw[name], f.type, f"{where}.{name}")
+        cfg = cls(**values)
+        if cfg.max_seq_len <= 0:
+            raise ConfigError(f"{where}.max_seq_len: must be > 0 (got {cfg.max_seq_len})")
+        if not cfg.batch_sizes or min(cfg.batch_sizes) <= 0:
+            raise ConfigError(f"{where}.batch_sizes: needs at least one positive batch size")
+        for key in ("prefill_seq_lens", "decode_context_lens"):
+            vals = getattr(cfg, key)
+            if vals and (min(vals) <= 0 or max(vals) > cfg.max_seq_len):
+                raise ConfigError(f"{where}.{key}: entries must be in 1..max_seq_len={cfg.max_seq_len} (got {list(vals)})")
+        if not cfg.decode_context_lens:
+            raise ConfigError(f"{where}.decode_context_lens: needs at least one context capacity")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path that exists, else a packaged config by name (with or without `.json`).
+
+    Raises ConfigError listing the packaged names when neither exists.
+    """
+    p = Path(name)
+    if p.is_file():
+        return p
+    stem = p.name[:-5] if p.name.endswith(".json") else p.name
+    packaged = PACKAGED / f"{stem}.json"
+    if packaged.is_file():
+        return packaged
+    names = ", ".join(sorted(q.stem for q in PACKAGED.glob("*.json")))
+    raise ConfigError(f"config {name!r}: no such file, and no packaged config of that name (packaged: {names})")
+
+
+def load_config(name: str) -> tuple[ModelConfig, CompileConfig, Path]:
+    """Read a config file; returns (model, compile, resolved path). Raises ConfigError."""
+    path = resolve_config_path(name)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object with keys 'model' and 'compile'")
+    unknown = sorted(set(raw) - {"model", "compile"})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown top-level key (expected 'model' and 'compile')")
+    if "model" not in raw:
+        raise ConfigError("model: missing required top-level key")
+    model = ModelConfig.from_dict(raw["model"], "model")
+    compile_cfg = CompileConfig.from_dict(raw.get("compile", {}), "compile") if "compile" in raw else None
+    if compile_cfg is None:
+        raise ConfigError("compile: missing required top-level key")
+    return model, compile_cfg, path
