@@ -1,0 +1,765 @@
+"""DeepSeek-V4.1-Flash (basic mode) as explicit-state step functions: the eager golden model and the
+graphs that `torch.export` traces per bucket are this one implementation.
+
+Numerics follow the official inference code, deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py
+(revision dba1be0a, cited below as `model.py <Class.method>`), with its kernels (act_quant,
+fp4_act_quant, fp8_gemm/fp4_gemm, sparse_attn, hc_split_sinkhorn) as summarised in
+reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on purpose it says so:
+
+- Static shapes. The reference slices caches to the live length and asks top-k for
+  `min(index_topk, compress_len)`; here every tensor has its bucket shape, unreachable positions are
+  masked to -inf and unused index slots are -1. Trailing -1 slots are exactly neutral in the online
+  softmax. One visible difference remains: the window part of the index list is always
+  `window_size` wide (the reference uses `min(S, window_size)` in prefill), so for prompts shorter
+  than the window the compressed keys start at a later 64-key block and their P is rounded to bf16
+  against a different running max (a sub-ulp effect, named in the golden report). In exchange a
+  padded prompt runs bit for bit like the unpadded one.
+- One tie rule for every top-k (indexer, candidate blocks, MoE): a stable descending sort, so among
+  equal scores the lower position (expert id) wins. `torch.topk` leaves the order unspecified and
+  the bf16 indexer scores tie often.
+- Per-row positions. A batch may mix prompt lengths (prefill `valid_len[B]`) and decode positions
+  (`pos[B]`); ring slots, compressor completion and cache writes are selected per row with masks.
+- The MoE of the exported steps runs every expert on every token with weight 0 where the token is
+  not routed (static shapes); adding an exact zero leaves the fp32 sum bit-identical to the
+  reference's routed loop, which the eager golden uses (`MoE.routed`).
+- RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
+- No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
+
+Shapes: B batch, S tokens in this call, D dim, H heads, hd head_dim, rd rope_head_dim, W window,
+hc hc_mult, C = max_seq_len // ratio compressed slots, T compressed positions visible to a call.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
+from dsneuron.kernels_nki.formats import ue8m0_to_float
+
+from .config import ModelConfig
+from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, fp4_act_quant_qdq, fp8_linear
+
+
+# ----------------------------------------------------------------------------------------- options
+class _Numerics:
+    """Process-wide numeric switches for the eager golden (never set inside exported graphs).
+
+    reverse_gemm_blocks: sum the K blocks of every block-scaled GEMM in descending order. The golden
+    compared with itself under this switch is the numeric floor of the comparison (issue 6).
+    """
+
+    reverse_gemm_blocks: bool = False
+
+
+NUMERICS = _Numerics()
+
+
+@contextmanager
+def reversed_gemm_blocks():
+    """Run the model with every block-scaled GEMM summing its K blocks in reverse order."""
+    prev = NUMERICS.reverse_gemm_blocks
+    NUMERICS.reverse_gemm_blocks = True
+    try:
+        yield
+    finally:
+        NUMERICS.reverse_gemm_blocks = prev
+
+
+@dataclass
+class Capture:
+    """Optional record of every stage's inputs and outputs (eager only), keyed `layers.3.attn.out`.
+
+    Tensors are detached copies, so a stage can be re-run alone from them.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, name: str, t: torch.Tensor | None) -> None:
+        if t is not None:
+            self.tensors[name] = t.detach().clone()
+
+
+def _cap(cap: Capture | None, name: str, t: torch.Tensor | None) -> None:
+    if cap is not None:
+        cap(name, t)
+
+
+# ----------------------------------------------------------------------------------------- modules
+class Linear(nn.Module):
+    """A projection stored as the checkpoint stores it.
+
+    kind "fp8": weight float8_e4m3fn [out, in] + scale float8_e8m0fnu [ceil(out/32), ceil(in/32)];
+    kind "fp4": weight int8 [out, in/2] (two e2m1 codes, even element low) + scale e8m0 [out, in/32];
+    both run as act_quant(x, 1x32) + block-scaled GEMM -> bf16 (model.py `linear`).
+    kind "bf16"/"fp32": plain F.linear in that dtype (input cast to it).
+    """
+
+    def __init__(self, in_features: int, out_features: int, kind: str = "fp8", block: int = 32):
+        super().__init__()
+        self.in_features, self.out_features, self.kind, self.block = in_features, out_features, kind, block
+        if kind == "fp8":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(-(-out_features // block), -(-in_features // block), dtype=torch.float8_e8m0fnu), requires_grad=False)
+        elif kind == "fp4":
+            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.int8), requires_grad=False)
+            self.scale = nn.Parameter(torch.empty(out_features, in_features // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        else:
+            dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[kind]
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [out, in]: exact values of the quantised weight (power-of-two scales)."""
+        if self.kind == "fp8":
+            return dequant_fp8_weight(self.weight, self.scale, self.block)
+        if self.kind == "fp4":
+            return dequant_fp4_weight(self.weight, self.scale)
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind in ("fp8", "fp4"):
+            return fp8_linear(x, self.dequantized(), self.block, NUMERICS.reverse_gemm_blocks)
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class RMSNorm(nn.Module):
+    """y = (w * x * rsqrt(mean(x^2) + eps)) in fp32, cast back to x.dtype (model.py RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------- rope
+def rope_tables(cfg: ModelConfig, max_seq_len: int, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [max_seq_len, rd/2] of one layer kind (model.py precompute_freqs_cis).
+
+    compressed=True: layers with compress ratio > 0 use compress_rope_theta with YaRN
+    (original_seq_len, rope_factor, beta_fast, beta_slow); ratio-0 layers use rope_theta, no YaRN.
+    """
+    rd = cfg.rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    orig = cfg.original_seq_len if compressed else 0
+    freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    if orig > 0:
+        def corrected_dim(rotations: float) -> float:
+            return rd * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected_dim(cfg.beta_fast)), 0)
+        high = min(math.ceil(corrected_dim(cfg.beta_slow)), rd - 1)
+        ramp = ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    angle = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.cos(angle), torch.sin(angle)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last rd dims of x (bf16 [B, S, rd] or [B, S, H, rd]) as interleaved pairs.
+
+    cos/sin: fp32 [B, S, rd/2] (per-row positions). Pairs (x[2i], x[2i+1]) are complex numbers
+    multiplied by exp(i*angle) (conjugate when inverse) in fp32, written back in x.dtype
+    (model.py apply_rotary_emb).
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    if inverse:
+        sin = -sin
+    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def with_rope_tail(x: torch.Tensor, rd: int, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x with RoPE applied to its last rd dims only (functional form of the reference's in-place op)."""
+    return torch.cat([x[..., :-rd], apply_rope(x[..., -rd:], cos, sin, inverse)], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------- top-k
+def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] (int64) of the k largest scores along the last dim, best first.
+
+    Tie rule: among equal scores the lower index wins (stable descending sort). Used for every
+    selection in the model so that all targets agree on ties.
+    """
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+# ----------------------------------------------------------------------------------------- mHC
+def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    """Split mixes fp32 [B, S, (2+hc)*hc] into pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc].
+
+    pre = sigmoid(.) + eps; post = 2*sigmoid(.); comb = softmax over its last dim + eps, then
+    column-normalised, then iters-1 rounds of row- then column-normalisation, all fp32
+    (reference/deepseek_v4_arch.md section 2, hc_split_sinkhorn; official kernel.py).
+    """
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_pre(x: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    """Collapse the hc copies: x bf16 [B,S,hc,D], pre_mix fp32 [B,S,hc] -> bf16 [B,S,D] (Block.hc_pre)."""
+    return torch.sum(pre_mix.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+
+def hc_post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Expand: out[j] = post[j]*f + sum_i comb[i,j]*residual[i], fp32 math, bf16 out (Block.hc_post).
+
+    f bf16 [B,S,D], residual bf16 [B,S,hc,D], post [B,S,hc], comb [B,S,hc,hc] -> bf16 [B,S,hc,D].
+    """
+    y = post.unsqueeze(-1) * f.unsqueeze(-2) + torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+    return y.to(f.dtype)
+
+
+# ----------------------------------------------------------------------------------------- call context
+@dataclass
+class StepInputs:
+    """What one call knows about its tokens, shared by every layer.
+
+    prefill: pos is None, valid_len [B] int64 (tokens at >= valid_len are right padding);
+    decode: S == 1, pos [B] int64 the position of each row's token, valid_len is None.
+    rope: cos/sin fp32 [B, S, rd/2] of both layer kinds (False: ratio 0, True: compressed) at the
+    tokens' positions; tables: the full [max_seq_len, rd/2] tables, for compressed-group positions.
+    """
+
+    seqlen: int
+    valid_len: torch.Tensor | None
+    pos: torch.Tensor | None
+    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]
+    tables: dict[bool, tuple[torch.Tensor, torch.Tensor]]
+    capture: Capture | None = None
+
+    def rope_at(self, positions: torch.Tensor, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin fp32 [..., rd/2] at int64 positions of any shape."""
+        cos, sin = self.tables[compressed]
+        return cos[positions], sin[positions]
+
+    @property
+    def prefill(self) -> bool:
+        return self.pos is None
+
+
+# ----------------------------------------------------------------------------------------- attention
+class Compressor(nn.Module):
+    """KV compression of a kv-source layer (model.py Compressor): ratio r > 1 pools r consecutive
+    tokens with a per-feature softmax gate in fp32; ratio 1 is a plain bf16 projection. Output is
+    the pre-RoPE latent, RMS-normed in bf16."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        # ratio > 1 pools in fp32, so the reference promotes these bf16 checkpoint weights to fp32
+        kind = "fp32" if ratio > 1 else "bf16"
+        self.wkv = Linear(cfg.dim, cfg.head_dim, kind)
+        if ratio > 1:
+            self.wgate = Linear(cfg.dim, cfg.head_dim, kind)
+        self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+    def prefill(self, x: torch.Tensor, valid_len: torch.Tensor, kv_state: torch.Tensor | None, score_state: torch.Tensor | None):
+        """x bf16 [B,S,D] -> (latent bf16 [B, S//r, hd], kv_state', score_state' fp32 [B,r,hd] or None).
+
+        Groups j < valid_len//r are real; the trailing partial group of each row goes into the state
+        slots pos % r, the other slots keep their fresh values (0 / -inf).
+        """
+        r = self.ratio
+        if r == 1:
+            return self.norm(self.wkv(x)), None, None
+        B, S, _ = x.shape
+        xf = x.float()
+        kv, score = self.wkv(xf), self.wgate(xf)
+        G = S // r
+        pooled = (kv[:, :G * r].unflatten(1, (G, r)) * score[:, :G * r].unflatten(1, (G, r)).softmax(dim=2)).sum(dim=2)
+        latent = self.norm(pooled.to(x.dtype))
+        # slot s of row b holds position (valid_len//r)*r + s when that is a real token
+        src = (valid_len // r * r).unsqueeze(1) + torch.arange(r, device=x.device)  # [B, r]
+        live = (src < valid_len.unsqueeze(1)).unsqueeze(-1)
+        gather = src.clamp(max=S - 1).unsqueeze(-1).expand(B, r, kv.size(-1))
+        kv_state = torch.where(live, kv.gather(1, gather), kv_state)
+        score_state = torch.where(live, score.gather(1, gather), score_state)
+        return latent, kv_state, score_state
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, kv_state: torch.Tensor | None, score_state: torch.Tensor | None):
+        """x bf16 [B,1,D] -> (latent bf16 [B,1,hd], complete bool [B], kv_state', score_state').
+
+        The latent is meaningful only where `complete` ((pos+1) % r == 0): the group just filled.
+        """
+        r = self.ratio
+        if r == 1:
+            return self.norm(self.wkv(x)), torch.ones_like(pos, dtype=torch.bool), None, None
+        xf = x.float()
+        kv, score = self.wkv(xf), self.wgate(xf)  # [B,1,hd]
+        slot = (torch.arange(r, device=x.device) == (pos % r).unsqueeze(1)).unsqueeze(-1)  # [B,r,1]
+        kv_state = torch.where(slot, kv, kv_state)
+        score_state = torch.where(slot, score, score_state)
+        pooled = (kv_state * score_state.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(x.dtype)), (pos + 1) % r == 0, kv_state, score_state
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of an index-source layer (model.py Indexer): FP4-simulated query heads
+    against one FP4-simulated key per compressed position, scores `sum_h relu(q_h.k) * w_h` in bf16
+    via `torch.ops.dsneuron.mqa_logits_bf16`, causal mask, optional candidate-block filter, top-k."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.owns_k = layer_id in cfg.kv_source_layers
+        self.is_candidate_source = layer_id == cfg.candidate_source_layer
+        self.uses_candidates = 0 <= cfg.candidate_source_layer < layer_id
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, "fp8")
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, "bf16")
+        if self.owns_k:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, "bf16")
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index keys bf16 [B,G,ihd] from the pre-RoPE latent [B,G,hd] at the groups' positions."""
+        k = self.k_norm(self.wk(latent))
+        k = with_rope_tail(k, self.cfg.rope_head_dim, cos, sin)
+        return fp4_act_quant_qdq(k, 32, "ue8m0")
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """bf16 [B,S,T]: raw index scores of every query against every key slot of index_k [B,T,ihd]."""
+        cfg = self.cfg
+        q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = with_rope_tail(q, cfg.rope_head_dim, cos, sin)
+        q = fp4_act_quant_qdq(q, 32, "ue8m0")
+        w = self.weights_proj(x) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        return torch.ops.dsneuron.mqa_logits_bf16(q, index_k, w)
+
+
+def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
+    """Level one of the two-level top-k (model.py select_candidate_blocks): bool [..., T].
+
+    scores [..., T] with unreachable positions already -inf; compress_lens broadcasts against the
+    leading dims ([S,1] in prefill, [B,1,1] in decode). A block's score is its best position; the
+    block holding position compress_len-1 is always kept; the best `topk_blocks` blocks with a finite
+    score survive (ties: lower block first).
+    """
+    T = scores.size(-1)
+    padded = F.pad(scores.float(), (0, -T % block_size), value=-math.inf)
+    block = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    n_blocks = block.size(-1)
+    last = (compress_lens - 1).div(block_size, rounding_mode="floor")
+    block = block.masked_fill(torch.arange(n_blocks, device=scores.device) == last, math.inf)
+    k = min(topk_blocks, n_blocks)
+    top = stable_topk_indices(block, k)
+    keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, top, block.gather(-1, top) > -math.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :T]
+
+
+class Attention(nn.Module):
+    """Sparse MQA over one shared 512-wide latent: a sliding window of raw KV plus, on layers with
+    compress ratio > 0, the top-k compressed positions chosen by the indexer (model.py Attention)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.is_kv_source = layer_id in cfg.kv_source_layers
+        self.is_index_source = layer_id in cfg.index_source_layers
+        d, hd = cfg.dim, cfg.head_dim
+        self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32), requires_grad=False)
+        self.wq_a = Linear(d, cfg.q_lora_rank, "fp8")
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * hd, "fp8")
+        self.wkv = Linear(d, hd, "fp8")
+        self.kv_norm = RMSNorm(hd, cfg.norm_eps)
+        # convert.py dequantises wo_a to bf16; the einsum runs in bf16 without activation quantisation
+        self.wo_a = Linear(cfg.n_heads * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, "bf16")
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, d, "fp8")
+        if self.is_kv_source:
+            self.compressor = Compressor(cfg, self.ratio)
+        if self.is_index_source:
+            self.indexer = Indexer(cfg, layer_id)
+
+    # -------------------------------------------------------------- window
+    def _window(self, kv: torch.Tensor, ctx: StepInputs, state: dict, new: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes this layer's ring and returns (keys [B,N,hd], window index list int32 [B,S,W])."""
+        B, S, hd = kv.shape
+        W = self.cfg.window_size
+        name = f"layers.{self.layer_id}.window_kv"
+        slots = torch.arange(W, device=kv.device)
+        if ctx.prefill:
+            # slot j holds the newest real position p < valid_len with p % W == j
+            last = ctx.valid_len.unsqueeze(1) - 1  # [B,1]
+            src = slots + W * torch.div(last - slots, W, rounding_mode="floor")
+            live = (src >= 0).unsqueeze(-1)
+            ring = kv.gather(1, src.clamp(0, S - 1).unsqueeze(-1).expand(B, W, hd))
+            new[name] = torch.where(live, ring, torch.zeros_like(ring))
+            # query i sees positions max(0, i-W+1) .. i of this call, oldest first (get_window_topk_idxs)
+            q_pos = torch.arange(S, device=kv.device).unsqueeze(1)
+            idx = (q_pos - W + 1).clamp(min=0) + slots
+            idx = torch.where(idx > q_pos, -1, idx)
+            return kv, idx.to(torch.int32).unsqueeze(0).expand(B, S, W)
+        ring = torch.where((slots == (ctx.pos % W).unsqueeze(1)).unsqueeze(-1), kv, state[name])
+        new[name] = ring
+        # the whole ring, oldest first; slots not yet written (ring still filling) are -1
+        p = ctx.pos.unsqueeze(1)
+        idx = (p % W + 1 + slots) % W
+        idx = torch.where(idx > p, -1, idx)
+        return ring, idx.to(torch.int32).unsqueeze(1)
+
+    # -------------------------------------------------------------- compressed
+    def _compressed(self, x, qr, ctx: StepInputs, offset: int, state: dict, new: dict, shared: dict):
+        """Returns (compressed keys [B,T,hd], compressed index list int32 [B,S,index_topk])."""
+        cfg, r, L = self.cfg, self.ratio, self.layer_id
+        cap = ctx.capture
+        B, S, _ = x.shape
+        cos, sin = ctx.rope[True]
+        if self.is_kv_source:
+            ckv_name, ik_name = f"layers.{L}.compress_kv", f"layers.{L}.index_k"
+            ks_name, ss_name = f"layers.{L}.kv_state", f"layers.{L}.score_state"
+            if ctx.prefill:
+                latent, kvs, scs = self.compressor.prefill(x, ctx.valid_len, state.get(ks_name), state.get(ss_name))
+                G = latent.size(1)
+                j = torch.arange(G, device=x.device)
+                write = j.unsqueeze(0) < (ctx.valid_len // r).unsqueeze(1)  # [B,G] real groups only
+                gcos, gsin = ctx.rope_at((j * r).expand(B, G), True)
+            else:
+                latent, complete, kvs, scs = self.compressor.decode(x, ctx.pos, state.get(ks_name), state.get(ss_name))
+                write = complete.unsqueeze(1)  # [B,1]
+                gcos, gsin = ctx.rope_at((ctx.pos // r * r).unsqueeze(1), True)
+            if kvs is not None:
+                new[ks_name], new[ss_name] = kvs, scs
+            _cap(cap, f"layers.{L}.compressor.latent", latent)
+            slot0 = None if ctx.prefill else ctx.pos // r
+            # the indexer needs the latent before RoPE, so its keys are made first (model.py _compress_kv)
+            if self.is_index_source:
+                k = self.indexer.keys(latent, gcos, gsin)
+                new[ik_name] = self._write(state[ik_name], k, write, slot0)
+                shared["index_k"] = new[ik_name]
+            latent = with_rope_tail(latent, cfg.rope_head_dim, gcos, gsin)
+            # compressed KV: FP4 e2m1 with one e4m3 scale per 16 channels (model.py _compress_kv)
+            latent = fp4_act_quant_qdq(latent, 16, "e4m3")
+            _cap(cap, f"layers.{L}.compress_kv.entry", latent)
+            new[ckv_name] = self._write(state[ckv_name], latent, write, slot0)
+            shared["compress_kv"] = new[ckv_name]
+        T = S // r if ctx.prefill else shared["compress_kv"].size(1)
+        compress_kv = shared["compress_kv"][:, :T]
+        if self.is_index_source:
+            idx = self._select(x, qr, ctx, T, offset, shared)
+            shared["topk_idxs"] = idx
+        return compress_kv, shared["topk_idxs"]
+
+    @staticmethod
+    def _write(cache: torch.Tensor, rows: torch.Tensor, write: torch.Tensor, slot0: torch.Tensor | None) -> torch.Tensor:
+        """cache [B,C,X] with rows [B,G,X] written at slots 0..G-1 (prefill, slot0 None) or at slot0[B]
+        (decode, G == 1), only where write [B,G] is True."""
+        B, C, X = cache.shape
+        if slot0 is None:
+            G = rows.size(1)
+            fresh = torch.where(write.unsqueeze(-1), rows, cache[:, :G])
+            return torch.cat([fresh, cache[:, G:]], dim=1)
+        hit = (torch.arange(C, device=cache.device) == slot0.unsqueeze(1)) & write  # [B,C]
+        return torch.where(hit.unsqueeze(-1), rows, cache)
+
+    def _select(self, x, qr, ctx: StepInputs, T: int, offset: int, shared: dict) -> torch.Tensor:
+        """Top-k compressed positions per query, sorted ascending, +offset, -1 where unreachable."""
+        cfg, r, L = self.cfg, self.ratio, self.layer_id
+        cap = ctx.capture
+        cos, sin = ctx.rope[True]
+        index_k = shared["index_k"][:, :T]
+        scores = self.indexer.scores(x, qr, index_k, cos, sin)  # bf16 [B,S,T]
+        _cap(cap, f"layers.{L}.indexer.scores", scores)
+        t = torch.arange(T, device=x.device)
+        if ctx.prefill:
+            compress_lens = (torch.arange(1, ctx.seqlen + 1, device=x.device) // r).unsqueeze(-1)  # [S,1]
+        else:
+            compress_lens = ((ctx.pos + 1) // r).view(-1, 1, 1)  # [B,1,1]
+        scores = scores.masked_fill(t >= compress_lens, -math.inf)
+        if self.indexer.is_candidate_source:
+            shared["candidates"] = select_candidate_blocks(scores, compress_lens, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+            _cap(cap, f"layers.{L}.indexer.candidates", shared["candidates"])
+        elif self.indexer.uses_candidates:
+            scores = scores.masked_fill(~shared["candidates"], -math.inf)
+        k = min(cfg.index_topk, T)
+        idx = stable_topk_indices(scores, k).sort(dim=-1).values
+        idx = torch.where(idx < compress_lens, idx + offset, -1)
+        if k < cfg.index_topk:
+            idx = F.pad(idx, (0, cfg.index_topk - k), value=-1)
+        _cap(cap, f"layers.{L}.indexer.topk", idx)
+        return idx.to(torch.int32)
+
+    # -------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, ctx: StepInputs, state: dict, new: dict, shared: dict) -> torch.Tensor:
+        """x bf16 [B,S,D] (after attn_norm) -> bf16 [B,S,D]; writes this layer's state into `new`."""
+        cfg, L = self.cfg, self.layer_id
+        B, S, _ = x.shape
+        rd, hd = cfg.rope_head_dim, cfg.head_dim
+        cos, sin = ctx.rope[self.ratio > 0]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (cfg.n_heads, hd))
+        q = with_rope_tail(q, rd, cos, sin)
+        kv = self.kv_norm(self.wkv(x))
+        kv = with_rope_tail(kv, rd, cos, sin)
+        # window KV: FP8 over the whole post-RoPE vector, RoPE tail included (model.py _window_kv)
+        kv = act_quant_qdq(kv, cfg.fp8_block_size)
+        _cap(ctx.capture, f"layers.{L}.attn.window_kv", kv)
+        keys, idx = self._window(kv, ctx, state, new)
+        if self.ratio:
+            ckv, cidx = self._compressed(x, qr, ctx, keys.size(1), state, new, shared)
+            keys = torch.cat([keys, ckv], dim=1)
+            idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
+        _cap(ctx.capture, f"layers.{L}.attn.idx", idx)
+        o = torch.ops.dsneuron.sparse_attn(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
+        o = with_rope_tail(o, rd, cos, sin, inverse=True)
+        # wo_a is block-diagonal over groups, hence the grouped einsum (model.py Attention.forward)
+        o = o.view(B, S, cfg.o_groups, -1)
+        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        return self.wo_b(o.flatten(2))
+
+
+# ----------------------------------------------------------------------------------------- MoE
+class Expert(nn.Module):
+    """SwiGLU FFN with the V4.1 clamps (up to [-limit, limit], gate to <= limit); the routing weight
+    multiplies the fp32 activation before the bf16 cast and w2 (model.py Expert)."""
+
+    def __init__(self, dim: int, inter: int, kind: str, swiglu_limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, inter, kind), Linear(inter, dim, kind), Linear(dim, inter, kind)
+        self.limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Router (model.py Gate): fp32 scores, score_func, bias for selection only, normalised top-k
+    weights times route_scale. Returns (weights fp32 [N,k], indices int64 [N,k])."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, topk: int):
+        super().__init__()
+        self.cfg, self.topk = cfg, topk
+        self.weight = nn.Parameter(torch.empty(n_experts, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()) / cfg.gate_temp
+        if cfg.score_func == "softmax":
+            scores = scores.softmax(dim=-1)
+        elif cfg.score_func == "sigmoid":
+            scores = scores.sigmoid()
+        else:
+            scores = F.softplus(scores).sqrt()
+        indices = stable_topk_indices(scores + self.bias, self.topk)
+        weights = scores.gather(1, indices)
+        if cfg.norm_topk_prob and self.topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.route_scale, indices
+
+
+class MoE(nn.Module):
+    """Routed experts (FP4) plus one shared expert (FP8), summed in fp32 in ascending expert order,
+    shared expert last, one bf16 rounding (model.py MoE)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        n_exp, topk = cfg.moe_experts(layer_id)
+        self.n_experts = n_exp
+        self.gate = Gate(cfg, n_exp, topk)
+        self.experts = nn.ModuleList([Expert(cfg.dim, cfg.moe_inter_dim, "fp4", cfg.swiglu_limit) for _ in range(n_exp)])
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8", cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
+        """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True gathers each expert's tokens (eager golden);
+        False runs every expert densely with zero weights (static shapes for export)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(x)
+        _cap(capture, f"{prefix}.gate.indices", indices)
+        _cap(capture, f"{prefix}.gate.weights", weights)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        if routed:
+            for e in range(self.n_experts):
+                rows, slot = torch.where(indices == e)
+                if rows.numel():
+                    y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+        else:
+            dense = torch.zeros(x.size(0), self.n_experts, dtype=torch.float32, device=x.device).scatter(1, indices, weights)
+            for e in range(self.n_experts):
+                y = y + self.experts[e](x, dense[:, e:e + 1])
+        y = y + self.shared_experts(x)
+        return y.to(x.dtype).view(shape)
+
+
+# ----------------------------------------------------------------------------------------- engram
+class Engram(nn.Module):
+    """N-gram memory written into the hc stream before the block (model.py Engram): FP8 table rows
+    looked up by host-computed hash ids, dequantised per 1x32, projected to hc keys + one value,
+    gated per (token, hc copy) by a signed-sqrt sigmoid of a normalised dot product."""
+
+    def __init__(self, cfg: ModelConfig, num_embeddings: int):
+        super().__init__()
+        self.cfg = cfg
+        n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.empty(num_embeddings, cfg.engram_head_dim, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.embed.scale = nn.Parameter(torch.empty(num_embeddings, cfg.engram_head_dim // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), "fp8")
+        self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
+
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """hash_ids int64 [B,S,C] -> bf16 [B,S,C*engram_head_dim] (ParallelEngramEmbedding.forward)."""
+        rows = self.embed.weight.view(torch.uint8)[hash_ids].view(torch.float8_e4m3fn).float()
+        scales = self.embed.scale.view(torch.uint8)[hash_ids]
+        vals = rows.unflatten(-1, (-1, 32)) * ue8m0_to_float(scales).unsqueeze(-1)
+        return vals.flatten(-2).to(torch.bfloat16).flatten(-2)
+
+    def forward(self, h: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
+        """h bf16 [B,S,hc,D], hash_ids int64 [B,S,C] -> bf16 [B,S,hc,D]."""
+        cfg = self.cfg
+        D, hc = cfg.dim, cfg.hc_mult
+        kv = self.wkv(self.lookup(hash_ids))
+        key = kv[..., :hc * D].float().unflatten(-1, (hc, D))
+        value = kv[..., hc * D:]
+        weight = self.q_weight.float() * self.k_weight.float()
+        hf = h.float()
+        # normalised per (token, hc copy) over D, not jointly over the copies
+        rstd = torch.rsqrt(hf.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
+        dot = (hf * weight * key).sum(-1) * rstd * D ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+
+
+# ----------------------------------------------------------------------------------------- block / model
+class Block(nn.Module):
+    """One layer: mHC around attention and MoE with the lagged pre-mix (model.py Block.forward):
+    attention collapses the stream with the previous sublayer's pre-mix, and each sublayer's own
+    mixes supply the pre-mix of the next one."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, engram_rows: int | None):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        self.attn = Attention(cfg, layer_id)
+        self.ffn = MoE(cfg, layer_id)
+        self.engram = Engram(cfg, engram_rows) if engram_rows is not None else None
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        m, hcd = cfg.mix_hc, cfg.hc_mult * cfg.dim
+        for s in ("attn", "ffn"):
+            setattr(self, f"hc_{s}_fn", nn.Parameter(torch.empty(m, hcd, dtype=torch.float32), requires_grad=False))
+            setattr(self, f"hc_{s}_base", nn.Parameter(torch.empty(m, dtype=torch.float32), requires_grad=False))
+            setattr(self, f"hc_{s}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32), requires_grad=False))
+
+    def hc_mixes(self, x: torch.Tensor, which: str):
+        """x bf16 [B,S,hc,D] -> (pre, post, comb) from one projection of the RMS-normalised stream."""
+        cfg = self.cfg
+        xf = x.flatten(2).float()
+        rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
+        mixes = F.linear(xf, getattr(self, f"hc_{which}_fn")) * rsqrt
+        return hc_split_sinkhorn(mixes, getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"),
+                                 cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
+    def forward(self, x, pre_mix, ctx: StepInputs, state: dict, new: dict, shared: dict, routed: bool):
+        """x bf16 [B,S,hc,D], pre_mix fp32 [B,S,hc] -> (x', ffn_pre [B,S,hc])."""
+        cap, p = ctx.capture, f"layers.{self.layer_id}"
+        residual = x
+        attn_pre, attn_post, attn_comb = self.hc_mixes(x, "attn")
+        _cap(cap, f"{p}.hc_attn.pre", attn_pre)
+        _cap(cap, f"{p}.hc_attn.post", attn_post)
+        _cap(cap, f"{p}.hc_attn.comb", attn_comb)
+        y = self.attn_norm(hc_pre(x, pre_mix))
+        _cap(cap, f"{p}.attn.in", y)
+        y = self.attn(y, ctx, state, new, shared)
+        _cap(cap, f"{p}.attn.out", y)
+        x = hc_post(y, residual, attn_post, attn_comb)
+        residual = x
+        ffn_pre, ffn_post, ffn_comb = self.hc_mixes(x, "ffn")
+        _cap(cap, f"{p}.hc_ffn.pre", ffn_pre)
+        _cap(cap, f"{p}.hc_ffn.post", ffn_post)
+        _cap(cap, f"{p}.hc_ffn.comb", ffn_comb)
+        y = self.ffn_norm(hc_pre(x, attn_pre))
+        _cap(cap, f"{p}.ffn.in", y)
+        y = self.ffn(y, routed=routed, capture=cap, prefix=f"{p}.ffn")
+        _cap(cap, f"{p}.ffn.out", y)
+        x = hc_post(y, residual, ffn_post, ffn_comb)
+        _cap(cap, f"{p}.out", x)
+        return x, ffn_pre
+
+
+class Transformer(nn.Module):
+    """The V4.1 backbone: embed -> hc copies -> blocks (engram before its blocks) -> final pre-mix
+    -> norm -> fp32 head at one position per row (model.py Transformer.forward, basic mode).
+
+    Parameters are named as the checkpoint names them (`layers.3.attn.wq_a.weight`); DSpark stages
+    (mtp.*) are validated by the loader and not built here. `max_seq_len` sizes the RoPE tables.
+    """
+
+    def __init__(self, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...], max_seq_len: int):
+        super().__init__()
+        self.cfg, self.max_seq_len = cfg, max_seq_len
+        rows = dict(zip(cfg.engram_layer_ids, engram_num_embeddings))
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([Block(cfg, i, rows.get(i)) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # bf16 in the checkpoint, held fp32 so the logits come out in fp32 (ParallelHead)
+        self.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
+        for compressed in (False, True):
+            cos, sin = rope_tables(cfg, max_seq_len, compressed)
+            self.register_buffer(f"rope_cos_{int(compressed)}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{int(compressed)}", sin, persistent=False)
+
+    def inputs(self, seqlen: int, positions: torch.Tensor, valid_len: torch.Tensor | None, pos: torch.Tensor | None,
+               capture: Capture | None = None) -> StepInputs:
+        """The per-call context for tokens at int64 positions [B,S]."""
+        tables = {c: (getattr(self, f"rope_cos_{int(c)}"), getattr(self, f"rope_sin_{int(c)}")) for c in (False, True)}
+        rope = {c: (cos[positions], sin[positions]) for c, (cos, sin) in tables.items()}
+        return StepInputs(seqlen, valid_len, pos, rope, tables, capture)
+
+    def run(self, tokens: torch.Tensor, ctx: StepInputs, engram_ids: torch.Tensor | None, state: dict,
+            last: torch.Tensor, routed: bool = False) -> tuple[torch.Tensor, dict]:
+        """tokens int64 [B,S]; engram_ids int64 [B,S,E,C]; last int64 [B] the position (within this
+        call) whose logits to return. Returns (logits fp32 [B,V], new state dict)."""
+        cap = ctx.capture
+        B, S = tokens.shape
+        new: dict[str, torch.Tensor] = {}
+        shared: dict[str, torch.Tensor] = {}
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        pre_mix = torch.zeros(B, S, self.cfg.hc_mult, dtype=torch.float32, device=tokens.device)
+        pre_mix[..., 0] = 1.0
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                e = self.cfg.engram_layer_ids.index(i)
+                _cap(cap, f"layers.{i}.engram.in", h)
+                h = layer.engram(h, engram_ids[:, :, e])
+                _cap(cap, f"layers.{i}.engram.out", h)
+            h, pre_mix = layer(h, pre_mix, ctx, state, new, shared, routed)
+        gather = last.view(B, 1, 1, 1).expand(B, 1, h.size(2), h.size(3))
+        h_last = h.gather(1, gather)
+        mix_last = pre_mix.gather(1, last.view(B, 1, 1).expand(B, 1, pre_mix.size(2)))
+        y = self.norm(hc_pre(h_last, mix_last))[:, 0]
+        _cap(cap, "final.norm", y)
+        logits = self.head(y.float())
+        _cap(cap, "final.logits", logits)
+        return logits, new

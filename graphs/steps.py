@@ -1,0 +1,137 @@
+"""The step API with explicit state: what each bucket's executable computes, and the eager golden.
+
+    prefill(tokens[B,S], valid_len[B], engram_ids[B,S,E,C]) -> (logits[B,V] fp32, *state)
+    decode(tokens[B,1], pos[B], engram_ids[B,1,E,C], *state) -> (logits[B,V] fp32, *state')
+
+Prefill always starts a sequence at position 0 (no chunked prefill), so it takes no state and
+returns a complete one. Logits are those of each row's last valid token. Engram hash ids are
+computed on the host (`dsneuron.runtime_min.engram_hash`); E = 0 for models without engram.
+
+State layout (`state_layout`), all sized by batch B and context capacity M = max_seq_len:
+
+| name | shape | dtype | what |
+|---|---|---|---|
+| layers.L.window_kv | [B, W, head_dim] | bf16 | sliding-window ring, slot = position % W |
+| layers.L.compress_kv | [B, M // r, head_dim] | bf16 | kv-source L's compressed KV (FP4-simulated) |
+| layers.L.index_k | [B, M // r, index_head_dim] | bf16 | kv+index-source L's indexer keys (FP4-simulated) |
+| layers.L.kv_state | [B, r, head_dim] | fp32 | ratio>1 source: tokens of the group being filled |
+| layers.L.score_state | [B, r, head_dim] | fp32 | their gate scores (-inf = slot empty) |
+
+The engram n-gram history is host state (the hasher keeps each row's last max_ngram-1 token ids).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .model import Capture, Transformer
+
+
+def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Ordered {name: (shape, dtype)} of the decode state; see the module docstring.
+
+    Raises ValueError when max_seq_len is not a multiple of every compress ratio.
+    """
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for L in range(cfg.n_layers):
+        out[f"layers.{L}.window_kv"] = ((batch, cfg.window_size, cfg.head_dim), torch.bfloat16)
+        r = cfg.compress_ratios[L]
+        if L in cfg.kv_source_layers:
+            if max_seq_len % r:
+                raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of compress ratio {r} (layer {L})")
+            out[f"layers.{L}.compress_kv"] = ((batch, max_seq_len // r, cfg.head_dim), torch.bfloat16)
+            if L in cfg.index_source_layers:
+                out[f"layers.{L}.index_k"] = ((batch, max_seq_len // r, cfg.index_head_dim), torch.bfloat16)
+            if r > 1:
+                out[f"layers.{L}.kv_state"] = ((batch, r, cfg.head_dim), torch.float32)
+                out[f"layers.{L}.score_state"] = ((batch, r, cfg.head_dim), torch.float32)
+    return out
+
+
+def init_state(cfg: ModelConfig, batch: int, max_seq_len: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """A fresh state: zeros, except score_state at -inf (an empty compressor slot)."""
+    state = {}
+    for name, (shape, dtype) in state_layout(cfg, batch, max_seq_len).items():
+        fill = -math.inf if name.endswith("score_state") else 0.0
+        state[name] = torch.full(shape, fill, dtype=dtype, device=device)
+    return state
+
+
+def n_engram_cols(cfg: ModelConfig) -> tuple[int, int]:
+    """(E, C): engram layers and hash columns per layer of the engram_ids input."""
+    if not cfg.engram_layer_ids:
+        return 0, 0
+    return len(cfg.engram_layer_ids), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+
+
+def prefill(model: Transformer, tokens: torch.Tensor, valid_len: torch.Tensor, engram_ids: torch.Tensor,
+            capture: Capture | None = None, routed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """tokens int64 [B,S] (right-padded), valid_len int64 [B] in 1..S, engram_ids int64 [B,S,E,C]
+    -> (logits fp32 [B,V] at position valid_len-1, state)."""
+    B, S = tokens.shape
+    positions = torch.arange(S, device=tokens.device).unsqueeze(0).expand(B, S)
+    ctx = model.inputs(S, positions, valid_len, None, capture)
+    state = init_state(model.cfg, B, model.max_seq_len, tokens.device)
+    logits, new = model.run(tokens, ctx, engram_ids, state, valid_len - 1, routed)
+    return logits, {name: new.get(name, state[name]) for name in state}
+
+
+def decode(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, engram_ids: torch.Tensor, state: dict[str, torch.Tensor],
+           capture: Capture | None = None, routed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """tokens int64 [B,1] at positions pos int64 [B] (< max_seq_len) -> (logits fp32 [B,V], state')."""
+    B = tokens.size(0)
+    ctx = model.inputs(1, pos.unsqueeze(1), None, pos, capture)
+    logits, new = model.run(tokens, ctx, engram_ids, state, torch.zeros_like(pos), routed)
+    return logits, {name: new.get(name, state[name]) for name in state}
+
+
+class PrefillStep(nn.Module):
+    """Exportable prefill at a fixed (batch, seq_len) bucket; weights are `model`'s parameters.
+
+    forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])
+        -> (logits fp32 [B,V], *state tensors in state_layout order)
+    """
+
+    def __init__(self, model: Transformer, batch: int, seq_len: int):
+        super().__init__()
+        self.model, self.batch, self.seq_len = model, batch, seq_len
+        self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        E, C = n_engram_cols(self.model.cfg)
+        B, S = self.batch, self.seq_len
+        return (torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S, dtype=torch.int64),
+                torch.zeros(B, S, E, C, dtype=torch.int64))
+
+    def forward(self, tokens, valid_len, engram_ids):
+        logits, state = prefill(self.model, tokens, valid_len, engram_ids)
+        return (logits, *[state[n] for n in self.state_names])
+
+
+class DecodeStep(nn.Module):
+    """Exportable decode of one token per row at a fixed batch and the model's context capacity.
+
+    forward(tokens int64 [B,1], pos int64 [B], engram_ids int64 [B,1,E,C], *state)
+        -> (logits fp32 [B,V], *state')
+    """
+
+    def __init__(self, model: Transformer, batch: int):
+        super().__init__()
+        self.model, self.batch = model, batch
+        self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        E, C = n_engram_cols(self.model.cfg)
+        B = self.batch
+        state = init_state(self.model.cfg, B, self.model.max_seq_len)
+        return (torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                torch.zeros(B, 1, E, C, dtype=torch.int64), *[state[n] for n in self.state_names])
+
+    def forward(self, tokens, pos, engram_ids, *state_tensors):
+        state = dict(zip(self.state_names, state_tensors))
+        logits, new = decode(self.model, tokens, pos, engram_ids, state)
+        return (logits, *[new[n] for n in self.state_names])
