@@ -10,6 +10,8 @@ inference/convert.py cast_e2m1fn_to_e4m3fn (e2m1 code table); see reference/kern
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: e2m1 value of each 4-bit code; bit 3 is the sign, so code 8 is -0.
@@ -50,17 +52,25 @@ def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
 
 def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 scales -> fp32 powers of two. Accepts float8_e8m0fnu tensors or raw exponent bytes
-    (uint8: value 2^(byte-127)). Byte 255 (NaN in e8m0) is rejected with ValueError."""
+    (uint8: value 2^(byte-127)); byte 255 is NaN, as in e8m0.
+
+    No data-dependent check here: this runs inside exported graphs. Loaders that want to refuse
+    NaN scales check with `has_ue8m0_nan` first. Raises ValueError for any other dtype.
+    """
     if scale.dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)
     if scale.dtype != torch.uint8:
         raise ValueError(f"ue8m0_to_float: expected float8_e8m0fnu or uint8, got {scale.dtype}")
-    if bool((scale == 255).any()):
-        raise ValueError("ue8m0_to_float: exponent byte 255 is NaN in UE8M0")
-    bits = scale.to(torch.int32) << 23
-    # byte 0 would be the denormal 2^-127, not representable with a zero mantissa: spell it out
-    out = bits.view(torch.float32)
-    return torch.where(scale == 0, torch.full_like(out, 2.0 ** -127), out)
+    out = (scale.to(torch.int32) << 23).view(torch.float32)
+    # byte 0 would be the denormal 2^-127, which a zero mantissa cannot spell; 255 is e8m0's NaN
+    out = torch.where(scale == 0, torch.full_like(out, 2.0 ** -127), out)
+    return torch.where(scale == 255, torch.full_like(out, math.nan), out)
+
+
+def has_ue8m0_nan(scale: torch.Tensor) -> bool:
+    """True when a float8_e8m0fnu / uint8 scale tensor holds the NaN byte 255."""
+    raw = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+    return bool((raw == 255).any())
 
 
 def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -74,3 +84,47 @@ def float_to_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     if not bool(((m == 0.5) & (e - 1 >= -127) & (e - 1 <= 127)).all()):
         raise ValueError("float_to_ue8m0: every scale must be an exact power of two in [2^-127, 2^127]")
     return (e - 1 + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+#: Elements per UE8M0 scale in the indexer operands (DeepGEMM gran_k; V4.1 fp4_block_size).
+SCALE_BLOCK = 32
+
+#: Dtypes that carry packed e2m1 pairs (DeepGEMM passes int8; the V4.1 checkpoint uses float4_e2m1fn_x2).
+PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+
+
+def _apply_block_scales(values: torch.Tensor, scales: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """values fp32 [..., D] times one UE8M0 scale [..., D/block] per `block` consecutive elements."""
+    groups = values.shape[-1] // block
+    if values.shape[-1] % block or tuple(scales.shape) != (*values.shape[:-1], groups):
+        raise ValueError(
+            f"{what}: expected scales of shape {(*values.shape[:-1], groups)} for values of shape "
+            f"{tuple(values.shape)} and block {block}, got {tuple(scales.shape)}"
+        )
+    scale = ue8m0_to_float(scales)
+    return (values.unflatten(-1, (groups, block)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def dequantize_e4m3(values: torch.Tensor, scales: torch.Tensor, block: int = SCALE_BLOCK) -> torch.Tensor:
+    """FP8 e4m3 values float8_e4m3fn [..., D] with UE8M0 scales [..., D/block] (float8_e8m0fnu or
+    exponent bytes uint8) -> fp32 [..., D].
+
+    Exact: an e4m3 value times a power of two is representable in fp32 while it stays inside fp32's
+    range. Raises ValueError on a wrong dtype or scale shape (and on exponent byte 255).
+    """
+    if values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequantize_e4m3: expected float8_e4m3fn values, got {values.dtype}")
+    return _apply_block_scales(values.float(), scales, block, "dequantize_e4m3")
+
+
+def dequantize_e2m1(packed: torch.Tensor, scales: torch.Tensor, block: int = SCALE_BLOCK) -> torch.Tensor:
+    """Packed FP4 e2m1 pairs [..., D/2] (int8, uint8 or float4_e2m1fn_x2; even element in the low
+    nibble) with UE8M0 scales [..., D/block] -> fp32 [..., D].
+
+    Exact while the result stays inside fp32's range. Raises ValueError on a wrong dtype or scale shape.
+    """
+    if packed.dtype not in PACKED_FP4_DTYPES:
+        raise ValueError(f"dequantize_e2m1: expected packed e2m1 bytes {PACKED_FP4_DTYPES}, got {packed.dtype}")
+    if packed.dtype == torch.float4_e2m1fn_x2:
+        packed = packed.view(torch.uint8)
+    return _apply_block_scales(fp4_codes_to_float(unpack_fp4(packed)), scales, block, "dequantize_e2m1")
