@@ -23,6 +23,8 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   not routed (static shapes); adding an exact zero leaves the fp32 sum bit-identical to the
   reference's routed loop, which the eager golden uses (`MoE.routed`).
 - RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
+- GEMMs with fewer than 8 rows are zero-padded to 8 (`quant.pad_rows`): the CPU BLAS sums fp32
+  products in another order below 8 rows, which would make a decode step differ from a prefill.
 - No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
 
 Shapes: B batch, S tokens in this call, D dim, H heads, hd head_dim, rd rope_head_dim, W window,
@@ -43,7 +45,7 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
-from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, fp4_act_quant_qdq, fp8_linear
+from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -124,7 +126,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind in ("fp8", "fp4"):
             return fp8_linear(x, self.dequantized(), self.block, NUMERICS.reverse_gemm_blocks)
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return rows_stable_linear(x.to(self.weight.dtype), self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -563,7 +565,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()) / cfg.gate_temp
+        scores = rows_stable_linear(x.float(), self.weight.float()) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -676,7 +678,7 @@ class Block(nn.Module):
         cfg = self.cfg
         xf = x.flatten(2).float()
         rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
-        mixes = F.linear(xf, getattr(self, f"hc_{which}_fn")) * rsqrt
+        mixes = rows_stable_linear(xf, getattr(self, f"hc_{which}_fn")) * rsqrt
         return hc_split_sinkhorn(mixes, getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"),
                                  cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 

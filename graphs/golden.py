@@ -1,0 +1,75 @@
+"""The eager golden model: the step functions run at exact (unpadded) shapes, one prompt at a time,
+with the routed MoE of the reference (model.py MoE.forward) and host-side engram hashing.
+
+This is what compiled bundles are compared against. It follows the official V4.1 inference code
+(see graphs/model.py for the named deviations, all shape-only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsneuron.runtime_min.engram_hash import NgramHasher
+
+from .checkpoint import load_checkpoint
+from .config import ModelConfig
+from .engram import engram_layout, engram_params
+from .model import Capture, Transformer
+from .steps import decode, prefill
+from .weights import build_model, model_weights
+
+
+@dataclass
+class StepRecord:
+    """One teacher-forced step: logits fp32 [V] and, when asked, every stage's captured tensors."""
+
+    logits: torch.Tensor
+    capture: dict[str, torch.Tensor] | None
+
+
+class Golden:
+    """A loaded model plus its engram hasher.
+
+    checkpoint: folder written by `dsneuron make-checkpoint` (validated on load); max_seq_len:
+    context capacity (sizes the caches and RoPE tables); tokenizer: tokenizer.json path (None: the
+    packaged DeepSeek V4 tokenizer). Raises CheckpointError / ConfigError on bad input.
+    """
+
+    def __init__(self, cfg: ModelConfig, checkpoint: Path, max_seq_len: int, tokenizer: str | Path | None = None):
+        self.cfg, self.max_seq_len = cfg, max_seq_len
+        rows = engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ()
+        self.model: Transformer = build_model(cfg, model_weights(load_checkpoint(Path(checkpoint), cfg, rows), cfg), rows, max_seq_len)
+        self.engram = engram_params(cfg, tokenizer) if cfg.engram_layer_ids else None
+        self.hasher = NgramHasher(self.engram.to_dict()) if self.engram else None
+
+    def engram_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [B,L] (whole sequences from position 0) -> hash ids int64 [B,L,E,C]."""
+        if self.hasher is None:
+            return torch.zeros(*tokens.shape, 0, 0, dtype=torch.int64)
+        return self.hasher.hash_sequence(tokens)
+
+    @torch.inference_mode()
+    def teacher_forced(self, tokens: list[int], n_prompt: int, capture: bool = False) -> list[StepRecord]:
+        """Prefill tokens[:n_prompt], then decode tokens[n_prompt:] one at a time (teacher forcing).
+
+        Returns len(tokens) - n_prompt + 1 records: the prefill's logits (next-token prediction
+        after the prompt) and one per decoded token. Raises ValueError when the sequence exceeds
+        max_seq_len or n_prompt < 1.
+        """
+        if not 1 <= n_prompt <= len(tokens):
+            raise ValueError(f"n_prompt must be in 1..{len(tokens)}, got {n_prompt}")
+        if len(tokens) > self.max_seq_len:
+            raise ValueError(f"{len(tokens)} tokens exceed the context capacity max_seq_len={self.max_seq_len}")
+        ids = torch.tensor([tokens], dtype=torch.int64)
+        eng = self.engram_ids(ids)
+        cap = Capture() if capture else None
+        logits, state = prefill(self.model, ids[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], cap, routed=True)
+        out = [StepRecord(logits[0], cap.tensors if cap else None)]
+        for p in range(n_prompt, len(tokens)):
+            cap = Capture() if capture else None
+            logits, state = decode(self.model, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, cap, routed=True)
+            out.append(StepRecord(logits[0], cap.tensors if cap else None))
+        return out

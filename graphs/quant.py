@@ -1,0 +1,431 @@
+"""FP8 e4m3fn, FP4 e2m1 and UE8M0 number formats of DeepSeek-V4.1: quantizers, quantize-dequantize
+(QDQ) ops, checkpoint weight codecs and the block-scaled GEMM reference.
+
+Numerics follow the official V4.1 inference code. Its `model.py` shows where each op is used
+(deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py `linear`, `Attention._window_kv`,
+`Attention._compress_kv`, `Indexer.forward`). Its `kernel.py` is not public, so the kernel bodies come
+from reference/deepseek_v4_arch.md sections 2 and 7, cross-checked against the TileLang kernels
+of deepseek-ai/DeepSeek-V4-Pro:inference/kernel.py (`fast_round_scale`, `act_quant_kernel`,
+`fp4_quant_kernel`). The DeepGEMM conventions come from reference/kernel_numerics.md B.5. All
+arithmetic is fp32, as in the kernels. The storage codecs (nibble packing, e2m1 table, UE8M0
+bytes) live in `dsneuron.kernels_nki.formats`.
+
+Decisions the sources leave open, and why:
+- UE8M0 ratio: the ratio is the product `amax * fp32(1/448)` (or `* fp32(1/6)`), because
+  the kernels multiply by the reciprocal constant (`fast_round_scale(amax, fp8_max_inv)`). An
+  exhaustive check over one binade, pinned by a test, shows that the power-of-two ceiling of this
+  product never differs from the ceiling of `amax/448` or `amax/6`.
+- E4M3 scale of the compressed KV: `e4m3_rne(amax / 6)` uses a true division, as the arch doc
+  writes. Here the choice matters. For one amax mantissa per binade (amax = 7.1249995 * 2^k) the
+  product would round to the tie 1.1875 and then up to 1.25, while the quotient rounds to 1.125.
+- UE8M0 clamp: the exponent byte is clamped to [1, 254] as DeepGEMM `ceil_to_ue8m0` clamps it.
+  The amax floors of every caller keep the ratio in [2^-126, 2^126], so the clamp never changes a
+  number of the model. It only makes `ue8m0_scale` total: 0, subnormal, inf and NaN ratios give a
+  finite normal power of two that e8m0 can store. The TileLang kernel has no clamp, so there such
+  ratios give 0 or inf.
+- -0 in e2m1: a negative value that rounds to zero keeps its sign and is stored as code 8. The
+  reference casts with the hardware fp32 -> e2m1 conversion (`T.Cast(FP4, ...)`, as does
+  ml_dtypes), which keeps the sign, so the reference QDQ yields -0.0. Code 8 reproduces that bit
+  for bit. DeepGEMM's packer writes 0x0 instead; see `fp4_quantize_rtz`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsneuron.kernels_nki.formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    float_to_ue8m0,
+    fp4_codes_to_float,
+    pack_fp4,
+    ue8m0_to_float,
+    unpack_fp4,
+)
+
+#: FP4 expert weights carry one UE8M0 scale per 32 consecutive K elements (V4 and V4.1).
+FP4_WEIGHT_BLOCK = 32
+
+# Activation amax floor (act_quant_kernel): keeps the FP8 scale away from 0 for all-zero blocks.
+_FP8_AMAX_FLOOR = 1e-4
+# FP4 amax floors (fp4_quant_kernel; arch doc section 2). 6 * 2^-126 puts the UE8M0 ratio at
+# 2^-126, the smallest normal fp32 (byte 1). 6 * 2^-9 puts the E4M3 scale at 2^-9, the smallest
+# e4m3 subnormal, so that scale is never 0.
+_FP4_UE8M0_AMAX_FLOOR = 6 * 2.0**-126
+_FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9
+# Multiplying an fp32 tensor by a Python float rounds the float to fp32 first, so these are the
+# kernels' fp32 constants `fp8_max_inv` and `fp4_max_inv`.
+_INV_E4M3_MAX = 1.0 / E4M3_MAX
+_INV_E2M1_MAX = 1.0 / E2M1_MAX
+# DeepGEMM per_token_cast_to_fp4 picks a code by counting the thresholds that |v| exceeds.
+_RTZ_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_SCALE_FMTS = ("ue8m0", "e4m3")
+_PACKED_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+
+# fp32 holds these dtypes exactly. A wider input (fp64) would be rounded twice: once to fp32 and
+# again to the 8- or 4-bit grid.
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as_fp32(x: torch.Tensor, fn: str, name: str = "x") -> torch.Tensor:
+    if x.dtype not in _EXACT_IN_FP32:
+        raise ValueError(f"{fn}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+    return x.float()
+
+
+def _check_blocks(x: torch.Tensor, block: int, fn: str) -> None:
+    if block <= 0:
+        raise ValueError(f"{fn}: block size must be positive, got {block}")
+    if x.dim() == 0 or x.shape[-1] % block:
+        last = x.shape[-1] if x.dim() else "none (0-d tensor)"
+        raise ValueError(f"{fn}: last dim must be a multiple of the block size {block}, got {last}")
+
+
+def _scale_blocks(values: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """values [..., K] * scale [..., K/block], one scale per contiguous block -> [..., K]."""
+    return (values.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def e4m3_rne(x: torch.Tensor) -> torch.Tensor:
+    """Round to the FP8 e4m3fn grid: round to nearest, ties to even, saturating at +-448.
+
+    x: [...] float32/bfloat16/float16. Returns fp32 [...] holding e4m3fn values. The clamp runs
+    before the cast, like the kernels' `T.clamp(..., fp8_min, fp8_max)` before `T.Cast(FP8, ...)`.
+    So +-inf become +-448, -0.0 stays -0.0, and NaN stays NaN.
+    Raises ValueError for any other dtype.
+    Source: reference/deepseek_v4_arch.md section 2 ("e4m3_rne(clamp(x/s, -448, 448))").
+    """
+    xf = _as_fp32(x, "e4m3_rne")
+    # torch's CPU cast happens to saturate as well. ml_dtypes, and casts on other backends, give NaN
+    # above 464, so the clamp is what pins the reference semantics.
+    return xf.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def _ue8m0_exponent(ratio: torch.Tensor) -> torch.Tensor:
+    """Biased exponent of the power-of-two ceiling of fp32 `ratio`, clamped to [1, 254]; int32."""
+    bits = ratio.view(torch.int32)
+    ceil = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ceil.clamp(1, 254)
+
+
+def ue8m0_scale(ratio: torch.Tensor) -> torch.Tensor:
+    """Round a positive fp32 ratio up to a power of two (a UE8M0 scale), using only its exponent bits.
+
+    ratio: fp32 [...]. Returns fp32 [...]: 2^(b - 127) with b = exponent byte + (mantissa != 0),
+    clamped to [1, 254] (DeepGEMM `ceil_to_ue8m0`; the module docstring says why). An exact power
+    of two maps to itself; one ulp above maps to the next power of two. The sign bit is ignored.
+    The clamp sends 0 and fp32 subnormals to 2^-126, and inf and NaN to 2^127.
+    Raises ValueError unless ratio is float32, since a rounded ratio would round up differently.
+    Source: DeepSeek-V4-Pro:inference/kernel.py `fast_log2_ceil`/`fast_pow2`; kernel_numerics.md B.5.
+    """
+    if ratio.dtype != torch.float32:
+        raise ValueError(f"ue8m0_scale: ratio must be float32, got {ratio.dtype}")
+    return (_ue8m0_exponent(ratio) << 23).view(torch.float32)
+
+
+def _fp8_block_scale(amax: torch.Tensor) -> torch.Tensor:
+    return ue8m0_scale(amax.clamp_min(_FP8_AMAX_FLOOR) * _INV_E4M3_MAX)
+
+
+def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activation quantization with one UE8M0 scale per `block` contiguous elements of the last dim.
+
+    Per block: amax = max(|x|) floored at 1e-4, s = ue8m0_scale(amax * fp32(1/448)) and
+    q = e4m3 RNE of clamp(x / s, -448, 448). V4.1 uses block 32; V4 uses block 128.
+    x: [..., K] float32/bfloat16/float16. Returns (q float8_e4m3fn [..., K], s fp32 [..., K/block]).
+    Raises ValueError if K % block != 0 or the dtype is not one of those three.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `linear` (act_quant with fp8_block_size and ue8m0);
+    the kernel per reference/deepseek_v4_arch.md section 2 and DeepSeek-V4-Pro:inference/kernel.py
+    `act_quant_kernel`.
+    """
+    _check_blocks(x, block, "act_quant")
+    xb = _as_fp32(x, "act_quant").unflatten(-1, (-1, block))
+    s = _fp8_block_scale(xb.abs().amax(-1, keepdim=True))
+    q = (xb / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s.squeeze(-1)
+
+
+def act_quant_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 quantize-dequantize in place of x: float(q) * s cast back to x.dtype.
+
+    This is `act_quant(..., inplace=True)` of the reference, which QDQs the V4.1 window KV.
+    The values do go through FP8. The first public V4 kernel skipped that rounding, a bug.
+    x: [..., K] float32/bfloat16/float16. Returns x.dtype [..., K]. Raises ValueError as `act_quant`.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv`; reference/deepseek_v4_arch.md
+    section 2 (the inplace caveat).
+    """
+    q, s = act_quant(x, block)
+    return _scale_blocks(q.float(), s, block).to(x.dtype)
+
+
+def _fp4_block_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
+    if scale_fmt == "ue8m0":
+        return ue8m0_scale(amax.clamp_min(_FP4_UE8M0_AMAX_FLOOR) * _INV_E2M1_MAX)
+    return e4m3_rne(amax.clamp_min(_FP4_E4M3_AMAX_FLOOR) / E2M1_MAX)
+
+
+def _fp4_scaled(x: torch.Tensor, block: int, scale_fmt: str, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (clamp(x/s, -6, 6) fp32 [..., K/block, block], s fp32 [..., K/block, 1])."""
+    if scale_fmt not in _FP4_SCALE_FMTS:
+        raise ValueError(f"{fn}: scale_fmt must be one of {_FP4_SCALE_FMTS}, got {scale_fmt!r}")
+    _check_blocks(x, block, fn)
+    xb = _as_fp32(x, fn).unflatten(-1, (-1, block))
+    s = _fp4_block_scale(xb.abs().amax(-1, keepdim=True), scale_fmt)
+    return (xb / s).clamp(-E2M1_MAX, E2M1_MAX), s
+
+
+def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """v fp32 in [-6, 6] -> nearest e2m1 value. Ties go to the even code, and the sign is kept, so
+    negatives that round to zero give -0.0.
+
+    The e2m1 grid has step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]. torch.round breaks ties to even,
+    so within each step the tie lands on an even multiple of the step, that is on an even code.
+    """
+    a = v.abs()
+    r = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return torch.copysign(r, v)
+
+
+def _e2m1_encode(r: torch.Tensor) -> torch.Tensor:
+    """Exact e2m1 values (signed, -0.0 included) -> codes uint8 (bit 3 = sign)."""
+    a = r.abs()
+    magnitude = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4))
+    return (magnitude + 8 * torch.signbit(r)).to(torch.uint8)
+
+
+def fp4_quantize(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 e2m1 quantization with one scale per `block` contiguous elements of the last dim.
+
+    scale_fmt "ue8m0" (indexer q/k and FP4 expert weights, block 32): amax floored at 6 * 2^-126,
+    s = ue8m0_scale(amax * fp32(1/6)). scale_fmt "e4m3" (V4.1 compressed KV, block 16): amax
+    floored at 6 * 2^-9, s = e4m3_rne(amax / 6). That s is not a power of two, and it can round
+    below amax/6, so clamping at +-6 can saturate.
+    Values: v = clamp(x / s, -6, 6), rounded to the nearest e2m1 value, ties to the even code:
+    .25 -> 0, .75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+    Codes: bit 3 is the sign. A negative value that rounds to 0, and -0.0 itself, give code 8
+    (see the module docstring).
+    x: [..., K] float32/bfloat16/float16. Returns (codes uint8 [..., K] in 0..15, s fp32 [..., K/block]).
+    Raises ValueError if K % block != 0, the dtype is wrong or scale_fmt is unknown.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `Indexer.forward` and `Attention._compress_kv`
+    (fp4_act_quant); the kernel per reference/deepseek_v4_arch.md section 2 and
+    DeepSeek-V4-Pro:inference/kernel.py `fp4_quant_kernel`.
+    """
+    v, s = _fp4_scaled(x, block, scale_fmt, "fp4_quantize")
+    return _e2m1_encode(_e2m1_round(v)).flatten(-2), s.squeeze(-1)
+
+
+def fp4_act_quant_qdq(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> torch.Tensor:
+    """FP4 quantize-dequantize in place of x: e2m1 value * s cast back to x.dtype.
+
+    This is `fp4_act_quant(..., inplace=True)` of the reference. V4.1 uses block 32 with "ue8m0"
+    scales for the indexer q and k, and block 16 with "e4m3" scales for the compressed KV.
+    The quantizer is `fp4_quantize`.
+    x: [..., K] float32/bfloat16/float16. Returns x.dtype [..., K]. Raises ValueError as `fp4_quantize`.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `Indexer.forward`, `Attention._compress_kv`.
+    """
+    v, s = _fp4_scaled(x, block, scale_fmt, "fp4_act_quant_qdq")
+    return (_e2m1_round(v) * s).flatten(-2).to(x.dtype)
+
+
+def fp4_quantize_rtz(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's FP4 quantizer (`per_token_cast_to_fp4`), whose ties round toward zero. A named
+    variant for kernels that must match DeepGEMM bytes. It is NOT the V4.1 reference rounding,
+    which is `fp4_quantize`.
+
+    Per block: amax floored at 1e-4, s = ue8m0_scale(amax / 6). The code of v = x / s counts how
+    many of {0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5} |v| exceeds: .75 -> .5, 1.75 -> 1.5, 2.5 -> 2,
+    3.5 -> 3, 5 -> 4, and above 6 saturates at code 7. The sign bit is set only for a nonzero
+    code, so -0 and small negatives give code 0.
+    x: [..., K] float32/bfloat16/float16. Returns (codes uint8 [..., K], s fp32 [..., K/block]).
+    Raises ValueError if K % block != 0 or the dtype is wrong.
+    Source: reference/kernel_numerics.md B.5 (DeepGEMM deep_gemm/utils/math.py).
+    """
+    _check_blocks(x, block, "fp4_quantize_rtz")
+    xb = _as_fp32(x, "fp4_quantize_rtz").unflatten(-1, (-1, block))
+    s = ue8m0_scale(xb.abs().amax(-1, keepdim=True).clamp_min(_FP8_AMAX_FLOOR) / E2M1_MAX)
+    v = xb / s
+    thresholds = torch.tensor(_RTZ_THRESHOLDS, dtype=torch.float32, device=x.device)
+    magnitude = (v.abs().unsqueeze(-1) > thresholds).sum(-1)
+    codes = magnitude + 8 * ((v < 0) & (magnitude > 0))
+    return codes.to(torch.uint8).flatten(-2), s.squeeze(-1)
+
+
+def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight to FP8 e4m3fn with one UE8M0 scale per block x block tile (the checkpoint layout).
+
+    Per tile: amax floored at 1e-4, s = ue8m0_scale(amax * fp32(1/448)), q = e4m3 RNE of clamp(w / s).
+    A ragged last tile (N or K not a multiple of block) uses only its real elements.
+    w: [N, K] float32/bfloat16/float16. Returns (float8_e4m3fn [N, K],
+    float8_e8m0fnu [ceil(N/block), ceil(K/block)]).
+    Raises ValueError for a non-2-D weight, a wrong dtype or a non-positive block.
+    Source: reference/deepseek_v4_arch.md section 5 (F8_E4M3 weights with F8_E8M0 32x32 scales in
+    V4.1); the quantizer of DeepSeek-V4-Pro:inference/kernel.py `fp8_weight_quant_kernel` with
+    round_scale.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_fp8_weight: weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if block <= 0:
+        raise ValueError(f"quantize_fp8_weight: block size must be positive, got {block}")
+    wf = _as_fp32(w, "quantize_fp8_weight", "w")
+    n, k = wf.shape
+    nb, kb = -(-n // block), -(-k // block)
+    # zero padding cannot raise a tile's amax, so ragged tiles see only their real elements
+    tiles = torch.nn.functional.pad(wf, (0, kb * block - k, 0, nb * block - n)).view(nb, block, kb, block)
+    s = _fp8_block_scale(tiles.abs().amax(dim=(1, 3), keepdim=True))
+    q = (tiles / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(nb * block, kb * block)[:n, :k].contiguous(), float_to_ue8m0(s.reshape(nb, kb))
+
+
+def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 block-scaled weight -> fp32: W[n, k] = float(w[n, k]) * scale[n // block, k // block].
+
+    w: float8_e4m3fn [N, K]; scale: float8_e8m0fnu [ceil(N/block), ceil(K/block)]. Returns fp32
+    [N, K]. The result is exact: an e4m3 value times a power of two is an fp32 value. The one
+    exception is overflow, which needs weights within 7% of the fp32 maximum.
+    Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) dequantises to NaN; no
+    data-dependent check happens here, so loaders that must refuse NaN scales check the bytes first.
+    Source: reference/deepseek_v4_arch.md section 5 (FP8 weight dequant).
+    """
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+        raise ValueError(f"dequant_fp8_weight: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"dequant_fp8_weight: scale must be float8_e8m0fnu, got {scale.dtype}")
+    n, k = w.shape
+    expected = (-(-n // block), -(-k // block))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"dequant_fp8_weight: scale shape must be {expected} for w {(n, k)} and block {block}, "
+                         f"got {tuple(scale.shape)}")
+    s = ue8m0_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return w.float() * s
+
+
+def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize an expert weight to packed FP4 e2m1 with one UE8M0 scale per 32 K elements (the
+    checkpoint layout).
+
+    The quantizer is `fp4_quantize(w, 32, "ue8m0")`. The codes are packed two per byte, the even
+    element in the low nibble (`kernels_nki.formats.pack_fp4`).
+    w: [N, K] float32/bfloat16/float16 with K % 32 == 0. Returns (int8 [N, K/2], float8_e8m0fnu [N, K/32]).
+    Raises ValueError for a non-2-D weight, K % 32 != 0 or a wrong dtype.
+    Source: reference/deepseek_v4_arch.md section 5 (FP4 expert weight layout);
+    DeepSeek-V4.1-Flash:inference/model.py `Linear` (scale [out, in // fp4_block_size]).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"quantize_fp4_weight: weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    codes, s = fp4_quantize(w, FP4_WEIGHT_BLOCK, "ue8m0")
+    return pack_fp4(codes), float_to_ue8m0(s)
+
+
+def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 expert weight -> fp32: W[n, k] = e2m1(code[n, k]) * scale[n, k // 32].
+
+    w: int8, uint8 or float4_e2m1fn_x2 [N, K/2] (even element in the low nibble). The checkpoint
+    stores int8; the reference model holds float4_e2m1fn_x2. scale: float8_e8m0fnu [N, K/32].
+    Returns fp32 [N, K]. The result is exact, since an e2m1 value times a power of two is an fp32
+    value. Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) gives NaN, as in
+    `dequant_fp8_weight`.
+    Source: reference/deepseek_v4_arch.md section 5; DeepSeek-V4-Flash inference/convert.py
+    cast_e2m1fn_to_e4m3fn (code table).
+    """
+    if w.dtype not in _PACKED_FP4_DTYPES or w.dim() != 2:
+        raise ValueError(f"dequant_fp4_weight: w must be 2-D int8, uint8 or float4_e2m1fn_x2, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise ValueError(f"dequant_fp4_weight: scale must be float8_e8m0fnu, got {scale.dtype}")
+    n, k = w.shape[0], 2 * w.shape[1]
+    if k % FP4_WEIGHT_BLOCK or tuple(scale.shape) != (n, k // FP4_WEIGHT_BLOCK):
+        raise ValueError(f"dequant_fp4_weight: for w {tuple(w.shape)} (K = {k}, a multiple of "
+                         f"{FP4_WEIGHT_BLOCK}) scale must be {(n, k // FP4_WEIGHT_BLOCK)}, got {tuple(scale.shape)}")
+    values = fp4_codes_to_float(unpack_fp4(w))
+    return _scale_blocks(values, ue8m0_to_float(scale), FP4_WEIGHT_BLOCK)
+
+
+def block_scaled_matmul(
+    a: torch.Tensor, w: torch.Tensor, block: int = 32, reverse_blocks: bool = False
+) -> torch.Tensor:
+    """Block-scaled GEMM reference: y = a @ w.T as an fp32 sum of per-K-block fp32 partial products.
+
+    a: fp32 [..., K], already dequantised (e4m3 value * its power-of-two scale). w: fp32 [N, K],
+    dequantised. Returns fp32 [..., N].
+    For each K block of `block` columns, the partial (a_blk @ w_blk.T) is an fp32 matmul. The
+    partials are added, starting from 0, in ascending block order, or in descending order when
+    `reverse_blocks` is set; the descending order measures the numeric floor. Every scale is a power
+    of two, so scaling before the per-block product is exact. This therefore equals the kernels'
+    `C += (A_k W_k^T) * a_s * w_s` accumulation, except for the summation order inside one block.
+    Memory: one batched matmul holds all partials at once, 4 * (K/block) * M * N bytes with M the
+    product of the leading dims. That is 512 MiB for M = 4096, N = 1024, K = 1024 and block 32, so
+    callers chunk long prefills over rows (rows are independent).
+    Assumes fp32 CPU matmuls run in IEEE fp32 (torch's default; no bf16/tf32 math mode).
+    Raises ValueError for non-fp32 inputs, mismatched K or K % block != 0.
+    Source: reference/deepseek_v4_arch.md section 2 (fp8_gemm, fp4_gemm); DeepSeek-V4-Pro:inference/
+    kernel.py `fp8_gemm_kernel` (per-block C_local, then scaled accumulation into C_local_accum).
+    """
+    if a.dtype != torch.float32 or w.dtype != torch.float32:
+        raise ValueError(f"block_scaled_matmul: a and w must be float32, got {a.dtype} and {w.dtype}")
+    if w.dim() != 2 or a.dim() == 0 or a.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"block_scaled_matmul: need a [..., K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}"
+        )
+    _check_blocks(w, block, "block_scaled_matmul")
+    lead, (n, k) = a.shape[:-1], w.shape
+    kb = k // block
+    a_rows = a.reshape(-1, k)
+    m = a_rows.shape[0]
+    a_rows = pad_rows(a_rows)
+    a_blocks = a_rows.reshape(-1, kb, block).transpose(0, 1)  # [KB, M', block]
+    w_blocks = w.reshape(n, kb, block).permute(1, 2, 0)  # [KB, block, N]
+    partials = torch.bmm(a_blocks, w_blocks)  # [KB, M, N]
+    order = range(kb - 1, -1, -1) if reverse_blocks else range(kb)
+    # the kernel clears its accumulator and adds every block; an explicit loop pins that order
+    acc = partials.new_zeros(partials.shape[1:])
+    for i in order:
+        acc = acc + partials[i]
+    return acc[:m].reshape(*lead, n)
+
+
+#: fp32 GEMMs on this CPU (MKL) take another kernel, with another summation order, below 8 rows
+MIN_GEMM_ROWS = 8
+
+
+def pad_rows(x2d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] zero-padded to at least MIN_GEMM_ROWS rows.
+
+    fp32 GEMM results on CPU depend on the row count (M in 1..7, except 4, use kernels that sum in
+    another order than M >= 8), which would make a decode step (one row) round differently from a
+    prefill of the same token. Padding small GEMMs to 8 rows makes every row's result independent
+    of how many rows share the call; the caller slices the real rows back out.
+    """
+    m = x2d.shape[0]
+    if m >= MIN_GEMM_ROWS:
+        return x2d
+    return torch.cat([x2d, x2d.new_zeros(MIN_GEMM_ROWS - m, x2d.shape[1])], dim=0)
+
+
+def rows_stable_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [..., K], w [N, K]) whose rows do not depend on how many rows share the call
+    (see pad_rows). Same dtype semantics as F.linear."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    return torch.nn.functional.linear(pad_rows(rows), w)[:m].reshape(*lead, w.shape[0])
+
+
+def fp8_linear(
+    x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, reverse_blocks: bool = False
+) -> torch.Tensor:
+    """The model's `linear()` for FP8 and FP4 weights: FP8 activation QDQ, block-scaled GEMM, bf16 out.
+
+    x: [..., K] bfloat16 (float32/float16 accepted). w_deq: fp32 [N, K], the dequantised weight
+    (`dequant_fp8_weight` or `dequant_fp4_weight`). The activation becomes float(q) * s in fp32
+    through `act_quant(x, block)`, without an intermediate bf16 rounding. It then goes through
+    `block_scaled_matmul(..., block, reverse_blocks)`, and the fp32 result is cast to bf16, the
+    reference's default dtype. Returns bfloat16 [..., N].
+    V4.1 uses block 32 for both FP8 weights and FP4 experts, so the activation blocks and the
+    weight K blocks coincide. For V4 FP4 experts (activation block 128, weight scales per 32), call
+    `act_quant_qdq(x, 128)` and `block_scaled_matmul(..., 32)` instead.
+    Raises ValueError as `act_quant` and `block_scaled_matmul`.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `linear`; reference/deepseek_v4_arch.md section 2.
+    """
+    q, s = act_quant(x, block)
+    a = _scale_blocks(q.float(), s, block)
+    return block_scaled_matmul(a, w_deq, block, reverse_blocks).to(torch.bfloat16)

@@ -1,0 +1,269 @@
+"""The V4.1 model on the micro config: step consistency, padding, batching, rounding points.
+
+The model amplifies 1-ulp noise (every linear re-quantises its input to FP8), so the checks are
+bitwise wherever the order of operations is the same, and they compare every captured stage, not
+only the logits. The tiny config runs in the slow suite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsneuron.graphs import model as M
+from dsneuron.graphs.model import Capture, select_candidate_blocks, stable_topk_indices
+from dsneuron.graphs.steps import decode, init_state, prefill
+
+
+@pytest.fixture(scope="module")
+def golden(micro_golden):
+    return micro_golden
+
+
+def _tokens(n: int, seed: int, vocab: int = 128000) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_stages_equal(cap_a: dict, cap_b: dict, pos_a: int, pos_b: int):
+    """Every per-token stage captured in both runs agrees at one token position: bitwise for bf16
+    tensors and selections; within 8 fp32 ulps for fp32 coefficients (the mHC mixes and the
+    router run fp32 GEMMs whose summation order depends on the number of rows)."""
+    compared = 0
+    for name, a in cap_a.items():
+        # compressor/indexer tensors are per compressed group, not per token: covered by the state check
+        if name not in cap_b or ".compressor." in name or ".compress_kv." in name or ".indexer." in name or name.endswith(".idx"):
+            continue
+        b = cap_b[name]
+        if name.startswith("final."):
+            ta, tb = a, b
+        elif ".gate." in name:  # flattened [B*S, k]
+            ta, tb = a[pos_a], b[pos_b]
+        else:
+            ta, tb = a[:, pos_a], b[:, pos_b]
+        if ta.dtype == torch.float32 and not name.startswith("final."):
+            torch.testing.assert_close(ta, tb, rtol=8 * 2.0 ** -23, atol=0, msg=f"stage {name}")
+        else:
+            assert torch.equal(ta, tb), f"stage {name} differs"
+        compared += 1
+    assert compared > 20
+
+
+# ------------------------------------------------------------------ step consistency
+# micro: window 16, ratios 2 and 1, candidate filter keeps 4 blocks x 4 positions, index_topk 8
+@pytest.mark.parametrize("L", [1, 2, 3, 8, 15, 16, 17, 18, 31, 32, 33, 47])
+def test_prefill_then_decode_equals_longer_prefill(golden, L):
+    m = golden.model
+    ids = _tokens(L + 1, seed=L)
+    eng = golden.engram_ids(ids)
+    cap_d, cap_p = Capture(), Capture()
+    _, state = prefill(m, ids[:, :L], torch.tensor([L]), eng[:, :L], routed=True)
+    logits_d, state_d = decode(m, ids[:, L:], torch.tensor([L]), eng[:, L:], state, cap_d, routed=True)
+    logits_p, state_p = prefill(m, ids, torch.tensor([L + 1]), eng, cap_p, routed=True)
+    assert torch.equal(logits_d, logits_p)
+    _assert_stages_equal(cap_d.tensors, cap_p.tensors, 0, L)
+    for name in state_p:
+        a, b = state_d[name], state_p[name]
+        if name.endswith(("kv_state", "score_state")):
+            # only the slots of the group still filling are state; once a group completes its
+            # slots are dead until overwritten (prefill leaves them fresh, decode leaves the tokens)
+            live = (L + 1) % a.shape[1]
+            a, b = a[:, :live], b[:, :live]
+            # fp32 projections of one token vs of L+1 tokens may round in another order
+            fin = torch.isfinite(b)
+            assert torch.equal(torch.isfinite(a), fin), name
+            # (per element, relative to the largest entry: a dot product's rounding is absolute)
+            scale = b[fin].abs().max().item() if fin.any() else 0.0
+            torch.testing.assert_close(a[fin], b[fin], rtol=0, atol=16 * 2.0 ** -24 * scale, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
+def test_long_decode_chain_matches_prefill(golden):
+    """20 decode steps across two window wraps and several compressor groups."""
+    m = golden.model
+    ids = _tokens(40, seed=99)
+    eng = golden.engram_ids(ids)
+    _, state = prefill(m, ids[:, :20], torch.tensor([20]), eng[:, :20], routed=True)
+    for p in range(20, 40):
+        logits, state = decode(m, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, routed=True)
+    ref, _ = prefill(m, ids, torch.tensor([40]), eng, routed=True)
+    assert torch.equal(logits, ref)
+
+
+# ------------------------------------------------------------------ padding and batching
+@pytest.mark.parametrize("L,S", [(1, 16), (7, 16), (16, 16), (17, 32), (29, 32), (33, 64)])
+def test_right_padding_never_leaks(golden, L, S):
+    m = golden.model
+    ids = _tokens(L, seed=1000 + L)
+    eng = golden.engram_ids(ids)
+    ref, st_ref = prefill(m, ids, torch.tensor([L]), eng, routed=True)
+    junk = _tokens(S - L, seed=7)
+    pad_ids = torch.cat([ids, junk], 1)
+    pad_eng = torch.cat([eng, torch.randint(0, 50, (1, S - L, *eng.shape[2:]))], 1)
+    got, st = prefill(m, pad_ids, torch.tensor([L]), pad_eng)
+    assert torch.equal(got, ref)
+    for name in st_ref:
+        assert torch.equal(st[name].nan_to_num(), st_ref[name].nan_to_num()), name
+
+
+def test_batch_of_mixed_lengths_equals_separate_runs(golden):
+    m = golden.model
+    lens = [5, 17, 32]
+    S = 32
+    seqs = [_tokens(n + 3, seed=n) for n in lens]
+    engs = [golden.engram_ids(s) for s in seqs]
+    toks = torch.zeros(3, S, dtype=torch.int64)
+    eng = torch.zeros(3, S, *engs[0].shape[2:], dtype=torch.int64)
+    for b, n in enumerate(lens):
+        toks[b, :n], eng[b, :n] = seqs[b][0, :n], engs[b][0, :n]
+    logits, state = prefill(m, toks, torch.tensor(lens), eng)
+    step_logits = [logits]
+    for k in range(3):  # three decode steps at different positions per row
+        t = torch.stack([s[0, n + k] for s, n in zip(seqs, lens)]).view(3, 1)
+        e = torch.stack([g[0, n + k] for g, n in zip(engs, lens)]).unsqueeze(1)
+        lg, state = decode(m, t, torch.tensor([n + k for n in lens]), e, state)
+        step_logits.append(lg)
+    for b, n in enumerate(lens):
+        ref, st = prefill(m, seqs[b][:, :n], torch.tensor([n]), engs[b][:, :n], routed=True)
+        assert torch.equal(step_logits[0][b], ref[0])
+        for k in range(3):
+            ref, st = decode(m, seqs[b][:, n + k:n + k + 1], torch.tensor([n + k]), engs[b][:, n + k:n + k + 1], st, routed=True)
+            assert torch.equal(step_logits[k + 1][b], ref[0]), (b, k)
+
+
+def test_same_inputs_bitwise_same_outputs(golden):
+    ids = _tokens(23, seed=5)
+    eng = golden.engram_ids(ids)
+    a, sa = prefill(golden.model, ids, torch.tensor([23]), eng)
+    b, sb = prefill(golden.model, ids, torch.tensor([23]), eng)
+    assert torch.equal(a, b) and all(torch.equal(sa[k].nan_to_num(), sb[k].nan_to_num()) for k in sa)
+
+
+def test_routed_moe_equals_dense_moe(golden):
+    """Adding exact zeros for unrouted experts leaves the fp32 combine bit-identical."""
+    moe = golden.model.layers[1].ffn
+    x = torch.randn(1, 37, golden.cfg.dim, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(moe(x, routed=True), moe(x, routed=False))
+
+
+def test_golden_logits_are_finite_with_a_healthy_spread(golden):
+    recs = golden.teacher_forced(_tokens(30, seed=11)[0].tolist(), 24)
+    for r in recs:
+        assert torch.isfinite(r.logits).all()
+        assert 0.3 < r.logits.std().item() < 5.0
+
+
+# ------------------------------------------------------------------ rounding points
+def test_rope_matches_complex_rotation():
+    """Real-arithmetic RoPE equals the reference's complex multiply (view_as_complex * polar)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 64, generator=g).bfloat16()
+    ang = torch.rand(2, 5, 32, generator=g) * 100
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got = M.apply_rope(x, cos, sin)
+    xc = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    ref = torch.view_as_real(xc * torch.polar(torch.ones_like(ang.double()), ang.double()).unsqueeze(2)).flatten(-2)
+    # the fp32 rotation is within an fp32 ulp of the float64 one, so the bf16 results agree
+    # except where that ulp straddles a bf16 rounding boundary
+    assert (got.double() - ref).abs().max() <= 2 * 2.0 ** -8 * ref.abs().max()
+    back = M.apply_rope(got, cos, sin, inverse=True)
+    assert (back.float() - x.float()).abs().max() < 0.05
+
+
+def test_rope_tables_yarn_ramp():
+    """Compressed layers use YaRN: low frequencies divided by rope_factor, high ones untouched."""
+    from dsneuron.compiler.config import load_config
+
+    cfg = load_config("tiny")[0]
+    cos0, sin0 = M.rope_tables(cfg, 2, compressed=False)
+    cos1, sin1 = M.rope_tables(cfg, 2, compressed=True)
+    # position 1: angle = freq
+    f0 = torch.atan2(sin0[1].double(), cos0[1].double())
+    f1 = torch.atan2(sin1[1].double(), cos1[1].double())
+    base0 = 1 / 10000 ** (torch.arange(0, 64, 2).double() / 64)
+    torch.testing.assert_close(f0, base0, rtol=1e-5, atol=1e-7)
+    base1 = 1 / 160000 ** (torch.arange(0, 64, 2).double() / 64)
+    assert math.isclose(f1[0].item(), base1[0].item(), rel_tol=1e-5)  # fastest pair: no change
+    assert math.isclose(f1[-1].item(), base1[-1].item() / 16, rel_tol=1e-3)  # slowest: / factor
+
+
+def test_hc_pre_and_post_follow_fp32_then_one_bf16_rounding():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, 64, generator=g).bfloat16()
+    pre = torch.rand(2, 3, 4, generator=g)
+    y = M.hc_pre(x, pre)
+    ref = (pre.double().unsqueeze(-1) * x.double()).sum(2)
+    assert torch.equal(y, ref.float().bfloat16()) or (y.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
+    post, comb = torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, 4, 4, generator=g)
+    f = torch.randn(2, 3, 64, generator=g).bfloat16()
+    out = M.hc_post(f, x, post, comb)
+    ref = post.double().unsqueeze(-1) * f.double().unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", comb.double(), x.double())
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
+
+
+def test_sinkhorn_comb_is_doubly_stochastic():
+    g = torch.Generator().manual_seed(2)
+    mixes = torch.randn(5, 24, generator=g)
+    pre, post, comb = M.hc_split_sinkhorn(mixes, torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
+    assert torch.all(pre > 0) and torch.all(pre < 1 + 1e-5) and torch.all((post > 0) & (post < 2))
+    torch.testing.assert_close(comb.sum(-2), torch.ones(5, 4), atol=1e-5, rtol=0)
+    torch.testing.assert_close(comb.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
+
+
+def test_stable_topk_tie_rule_prefers_lower_position():
+    s = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -math.inf]])
+    assert stable_topk_indices(s, 2).tolist() == [[1, 2]]
+    assert stable_topk_indices(s, 4).tolist() == [[1, 2, 4, 3]]
+    s = torch.full((1, 6), -math.inf)
+    assert stable_topk_indices(s, 3).tolist() == [[0, 1, 2]]
+
+
+def test_candidate_blocks_keep_best_blocks_and_pin_the_newest():
+    inf = math.inf
+    # 10 positions, blocks of 4: [0..3] [4..7] [8,9]; compress_len 10 -> newest block 2 pinned
+    s = torch.tensor([[5.0, 0, 0, 0, 1, 9, 0, 0, -1, -2]])
+    keep = select_candidate_blocks(s, torch.tensor([[10]]), topk_blocks=2, block_size=4)
+    assert keep.tolist() == [[False] * 4 + [True] * 4 + [True] * 2]
+    # a query that reaches only block 0 keeps nothing else, even with room for more blocks
+    s2 = torch.tensor([[5.0, 1, -inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf]])
+    keep = select_candidate_blocks(s2, torch.tensor([[2]]), topk_blocks=3, block_size=4)
+    assert keep.tolist() == [[True] * 4 + [False] * 6]
+    # nothing reachable (compress_len 0): nothing kept
+    keep = select_candidate_blocks(torch.full((1, 10), -inf), torch.tensor([[0]]), topk_blocks=3, block_size=4)
+    assert not keep.any()
+
+
+def test_compressor_pools_with_a_per_feature_softmax(golden):
+    comp = golden.model.layers[golden.cfg.kv_source_layers[0]].attn.compressor
+    assert comp.ratio == 2
+    x = torch.randn(1, 5, golden.cfg.dim, generator=torch.Generator().manual_seed(4)).bfloat16()
+    fresh = init_state(golden.cfg, 1, 64)
+    L = golden.cfg.kv_source_layers[0]
+    latent, kvs, scs = comp.prefill(x, torch.tensor([5]), fresh[f"layers.{L}.kv_state"], fresh[f"layers.{L}.score_state"])
+    kv = x.double() @ comp.wkv.weight.double().T
+    sc = x.double() @ comp.wgate.weight.double().T
+    pooled = (kv[0, :4].view(2, 2, -1) * sc[0, :4].view(2, 2, -1).softmax(1)).sum(1)
+    ref = comp.norm(pooled.float().bfloat16().unsqueeze(0))
+    diff = (latent.double() - ref.double()).abs().max()
+    assert latent.shape == (1, 2, golden.cfg.head_dim) and diff <= 2 * 2.0 ** -8 * ref.double().abs().max()
+    # the odd last token waits in slot 0; slot 1 stays empty (-inf score)
+    torch.testing.assert_close(kvs[0, 0].double(), kv[0, 4], rtol=1e-5, atol=1e-5)
+    assert torch.isinf(scs[0, 1]).all() and (kvs[0, 1] == 0).all()
+
+
+def test_decode_window_index_list_is_the_ring_oldest_first(golden):
+    """Decode at position p lists ring slots (p%W)+1 .. W-1, 0 .. p%W; unwritten slots are -1."""
+    att = golden.model.layers[0].attn
+    W = golden.cfg.window_size
+    for p in (0, 5, W - 1, W, W + 3, 3 * W + 7):
+        state = init_state(golden.cfg, 1, 64)
+        ctx = golden.model.inputs(1, torch.tensor([[p]]), None, torch.tensor([p]))
+        kv = torch.zeros(1, 1, golden.cfg.head_dim, dtype=torch.bfloat16)
+        _, idx = att._window(kv, ctx, state, {})
+        o = p % W + 1
+        ref = [(o + k) % W for k in range(W)]
+        ref = [-1 if r > p else r for r in ref]
+        assert idx[0, 0].tolist() == ref, p
