@@ -42,6 +42,7 @@ class Golden:
         self.cfg, self.max_seq_len = cfg, max_seq_len
         rows = engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ()
         self.model: Transformer = build_model(cfg, model_weights(load_checkpoint(Path(checkpoint), cfg, rows), cfg), rows, max_seq_len)
+        self.model.cache_dequantized()
         self.engram = engram_params(cfg, tokenizer) if cfg.engram_layer_ids else None
         self.hasher = NgramHasher(self.engram.to_dict()) if self.engram else None
 

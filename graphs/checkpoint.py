@@ -1,0 +1,608 @@
+"""V4.1-Flash checkpoints in the HF release layout: deterministic random writer, strict loader, report.
+
+Layout (what `make_checkpoint` writes, what `load_checkpoint` reads), as the official inference code
+loads it (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py, convert.py; tensor list from
+`graphs.spec.checkpoint_spec`, reference/deepseek_v4_arch.md sections 1.2 and 5):
+
+    config.json                        HF keys (hidden_size, num_hidden_layers, rope_scaling,
+                                       quantization_config {fp8, e4m3, ue8m0, [32, 32], expert fp4}, ...)
+    inference/config.json              the same model under the inference-code `ModelArgs` keys
+    model.safetensors.index.json       {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
+    model-0000i-of-0000n.safetensors   shards of about `shard_bytes`, tensors in checkpoint_spec order
+    tokenizer.json, tokenizer_config.json   the tokenizer the engram token map was built from
+
+Both config files carry the derived `engram_num_embeddings` and `engram_compressed_vocab_size`, as
+the release does; `read_checkpoint_config` checks that the two files agree.
+
+Random weights. Each tensor is drawn as fp32 from its own torch.Generator seeded with the first 8
+bytes of sha256("<seed>:<tensor name>"), then stored as the release stores it: FP8 e4m3 (RNE) with a
+32x32 UE8M0 block scale = pow2 ceiling of amax/448 (`quant.quantize_fp8_weight`); FP4 e2m1 1x32,
+low nibble first (`quant.quantize_fp4_weight`); engram tables e4m3 rows with 1x32 UE8M0 scales
+(`quant.act_quant` along the row); BF16/F32 plain tensors rounded once. Initial magnitudes by
+`TensorSpec.role` (z ~ N(0, 1), n = fan_in), chosen from how inference/model.py uses each tensor:
+
+    role                 value                    why
+    linear, gate,        z / sqrt(n)              unit-RMS input -> unit-RMS output; gate scores
+    compressor_gate,                              N(0, 1) for every expert alike, so all get used;
+    engram_wkv, head                              head: logits std ~ 1 after the final RMSNorm
+    expert, shared       SWIGLU_STD * z / sqrt(n) w1/w3 outputs ~ N(0, 16): the swiglu_limit 10
+                                                  clamp fires on ~0.9% of elements (0.6% gate
+                                                  side, 1.2% up side)
+    expert_w2, shared_w2 W2_GAIN * z / sqrt(n)    silu(g)*u has RMS ~10.9 at std 4: w2 brings it
+                                                  back to ~1
+    embed, engram_table  z                        first residual RMS ~ 1; engram rows ~ unit
+    norm, engram_qk      1 + NORM_NOISE * z       RMSNorm gains / q*k weights near 1
+    gate_bias            GATE_BIAS_STD * z        selection bias small next to score spread
+    attn_sink            SINK_STD * z             sink logits around 0
+    hc_fn                HC_FN_GAIN * z / sqrt(n) mixes ~ N(0, 0.5^2) after hc_mixes' rsqrt
+    hc_scale             1 + HC_NOISE * z         ~1
+    hc_base              base + HC_NOISE * z      pre: log(1/(hc-1)) so pre ~ 1/hc (sums to ~1);
+                                                  post: 0 so post = 2*sigmoid ~ 1; comb: HC_COMB_DIAG
+                                                  on the diagonal, so Sinkhorn gives a comb near
+                                                  identity (diag ~0.7)
+
+Measured once with the eager golden model (graphs/golden.py, seed 0, a 172/200-token English
+prompt, prefill): tiny: residual RMS 1.63, 2.15, 2.49, ... 4.02, 4.21 over layers 0..9 (attention
+output RMS ~0.23, MoE output ~1.23, engram adds ~0.55), SwiGLU clamp on 0.90% of w1/w3 outputs,
+every one of the 16 experts chosen 24..79 times of 688, logits std 1.00, all finite; micro:
+residual RMS 1.86 -> 3.80 over 6 layers, clamp 0.90%, logits std 1.00. Re-measuring after a change
+of these constants is the job of `model_health_stats`, the hook `inspect-checkpoint --stats` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import safetensors
+import safetensors.torch
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dsneuron import UserError
+from dsneuron.kernels_nki.formats import float_to_ue8m0, ue8m0_to_float
+
+from .config import ModelConfig
+from .engram import engram_layout, engram_params
+from .quant import act_quant, dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
+from .spec import TensorSpec, checkpoint_spec
+from .tokenizer import tokenizer_files
+
+INDEX_NAME = "model.safetensors.index.json"
+HF_CONFIG_NAME = "config.json"
+INFERENCE_CONFIG_NAME = "inference/config.json"
+SHARD_BYTES = 64 * 2**20
+
+# initial magnitudes (see the module docstring)
+SWIGLU_STD = 4.0
+W2_GAIN = 1.0 / 11.0
+HC_FN_GAIN = 0.5
+HC_COMB_DIAG = 2.0
+HC_NOISE = 0.05
+NORM_NOISE = 0.02
+GATE_BIAS_STD = 0.02
+SINK_STD = 0.1
+
+_GAIN = {"linear": 1.0, "gate": 1.0, "compressor_gate": 1.0, "engram_wkv": 1.0, "head": 1.0,
+         "expert": SWIGLU_STD, "shared": SWIGLU_STD, "expert_w2": W2_GAIN, "shared_w2": W2_GAIN,
+         "hc_fn": HC_FN_GAIN}
+
+TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8}
+_ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+# the derived config keys the release writes next to the ModelArgs ones
+_DERIVED = ("engram_num_embeddings", "engram_compressed_vocab_size")
+
+
+class CheckpointError(UserError):
+    """A checkpoint folder is missing, incomplete, inconsistent or corrupt, or `out` exists.
+
+    The message names the path and, for tensor problems, every missing, unexpected and mismatched
+    tensor with its expected and found dtype and shape.
+    """
+
+
+# ============================================================================== writing
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of one tensor: first 8 bytes of sha256("<seed>:<name>"), as a 63-bit int."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def _hc_base_mean(hc: int) -> torch.Tensor:
+    pre = torch.full((hc,), math.log(1.0 / (hc - 1))) if hc > 1 else torch.full((1,), 10.0)
+    comb = torch.eye(hc) * HC_COMB_DIAG
+    return torch.cat([pre, torch.zeros(hc), comb.flatten()])
+
+
+def draw_tensor(spec: TensorSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The fp32 value of one weight before storage rounding, logical shape ([out, in] for FP4).
+
+    Deterministic in (seed, spec.name). Raises ValueError for a role without an init rule.
+    """
+    shape = (spec.shape[0], spec.fan_in) if spec.kind == "fp4" else spec.shape
+    g = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
+    z = torch.randn(shape, generator=g, dtype=torch.float32)
+    role = spec.role
+    # in place: an fp32 embedding of the tiny config is 0.5 GB
+    if role in _GAIN:
+        return z.mul_(_GAIN[role] / math.sqrt(spec.fan_in))
+    if role in ("embed", "engram_table"):
+        return z
+    if role in ("norm", "engram_qk"):
+        return z.mul_(NORM_NOISE).add_(1.0)
+    if role == "gate_bias":
+        return z.mul_(GATE_BIAS_STD)
+    if role == "attn_sink":
+        return z.mul_(SINK_STD)
+    if role == "hc_scale":
+        return z.mul_(HC_NOISE).add_(1.0)
+    if role == "hc_base":
+        return z.mul_(HC_NOISE).add_(_hc_base_mean(cfg.hc_mult))
+    raise ValueError(f"{spec.name}: no initialisation rule for role {role!r}")
+
+
+def _stored(spec: TensorSpec, cfg: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """[(name, tensor)] as stored: the weight, plus its scale for quantized kinds."""
+    w = draw_tensor(spec, cfg, seed)
+    if spec.kind == "fp8":
+        q, s = quantize_fp8_weight(w, cfg.fp8_block_size)
+    elif spec.kind == "fp4":
+        q, s = quantize_fp4_weight(w)
+    elif spec.kind == "fp8row":
+        q, s32 = act_quant(w, cfg.fp8_block_size)
+        s = float_to_ue8m0(s32)
+    elif spec.kind == "plain":
+        return [(spec.name, w.to(TORCH_DTYPES[spec.dtype]))]
+    else:
+        raise ValueError(f"{spec.name}: cannot draw a tensor of kind {spec.kind!r}")
+    return [(spec.name, q), (scale_name(spec.name), s)]
+
+
+def _shard_plan(spec: dict[str, TensorSpec], shard_bytes: int) -> list[list[str]]:
+    """Weight names per shard, in spec order. A weight and its scale share a shard; a weight
+    larger than shard_bytes gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, s in spec.items():
+        if s.kind == "scale":
+            continue
+        nbytes = _nbytes(s) + (_nbytes(spec[scale_name(name)]) if s.kind != "plain" else 0)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def scale_name(weight_name: str) -> str:
+    """The companion block-scale tensor of a quantized weight: `x.weight` -> `x.scale`."""
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+def _nbytes(s: TensorSpec) -> int:
+    return math.prod(s.shape) * _ITEMSIZE[s.dtype]
+
+
+def hf_config(cfg: ModelConfig, derived: dict[str, Any]) -> dict[str, Any]:
+    """config.json: the HF (transformers-style) keys of V4.1's text config for `cfg`.
+
+    Flat, text only (the release nests this under `text_config` beside a `vision_config`).
+    Source: reference/deepseek_v4_arch.md section 1.2. `derived` holds engram_num_embeddings and
+    engram_compressed_vocab_size.
+    """
+    out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41_text"}
+    m = cfg.to_dict()
+    for hf_key, key in _HF_KEYS:
+        out[hf_key] = m[key]
+    out.update({
+        "num_key_value_heads": 1,
+        "rope_scaling": {"type": "yarn", "factor": cfg.rope_factor, "original_max_position_embeddings":
+                         cfg.original_seq_len, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow},
+        "max_position_embeddings": int(cfg.original_seq_len * cfg.rope_factor),
+        "quantization_config": {"quant_method": cfg.dtype, "fmt": "e4m3", "scale_fmt": cfg.scale_fmt,
+                                "activation_scheme": "dynamic",
+                                "weight_block_size": [cfg.fp8_block_size, cfg.fp8_block_size],
+                                "expert_dtype": cfg.expert_dtype},
+        "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    })
+    out.update(derived)
+    return out
+
+
+#: (HF config.json key, ModelArgs key) for the keys that map one to one
+_HF_KEYS = (
+    ("vocab_size", "vocab_size"), ("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
+    ("num_nextn_predict_layers", "n_mtp_layers"), ("num_attention_heads", "n_heads"), ("head_dim", "head_dim"),
+    ("qk_rope_head_dim", "rope_head_dim"), ("q_lora_rank", "q_lora_rank"), ("o_groups", "o_groups"),
+    ("o_lora_rank", "o_lora_rank"), ("moe_intermediate_size", "moe_inter_dim"),
+    ("n_routed_experts", "n_routed_experts"), ("num_experts_per_tok", "n_activated_experts"),
+    ("n_shared_experts", "n_shared_experts"), ("scoring_func", "score_func"), ("gate_temp", "gate_temp"),
+    ("norm_topk_prob", "norm_topk_prob"), ("routed_scaling_factor", "route_scale"),
+    ("swiglu_limit", "swiglu_limit"), ("rms_norm_eps", "norm_eps"), ("sliding_window", "window_size"),
+    ("compress_ratios", "compress_ratios"), ("kv_source_layer_ids", "kv_source_layers"),
+    ("index_source_layer_ids", "index_source_layers"), ("candidate_source_layer_id", "candidate_source_layer"),
+    ("candidate_topk_blocks", "candidate_topk_blocks"), ("candidate_block_size", "candidate_block_size"),
+    ("index_n_heads", "index_n_heads"), ("index_head_dim", "index_head_dim"), ("index_topk", "index_topk"),
+    ("rope_theta", "rope_theta"), ("compress_rope_theta", "compress_rope_theta"),
+    ("hc_mult", "hc_mult"), ("hc_sinkhorn_iters", "hc_sinkhorn_iters"), ("hc_eps", "hc_eps"),
+    ("engram_layer_ids", "engram_layer_ids"), ("engram_max_ngram_size", "engram_max_ngram_size"),
+    ("engram_n_heads", "engram_n_heads"), ("engram_head_dim", "engram_head_dim"),
+    ("engram_vocab_size", "engram_vocab_size"), ("engram_pad_token_id", "engram_pad_id"),
+    ("dspark_block_size", "dspark_block_size"), ("dspark_noise_token_id", "dspark_noise_token_id"),
+    ("dspark_target_layer_ids", "dspark_target_layer_ids"), ("dspark_markov_rank", "dspark_markov_rank"),
+    ("dspark_n_routed_experts", "dspark_n_routed_experts"),
+    ("dspark_num_experts_per_tok", "dspark_n_activated_experts"),
+    ("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+)
+
+
+def _model_args_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The ModelArgs-keyed dict a config.json describes (keys it lacks are left out)."""
+    args = {key: hf[hf_key] for hf_key, key in _HF_KEYS if hf_key in hf}
+    rope = hf.get("rope_scaling")
+    if isinstance(rope, dict):
+        for hf_key, key in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
+                            ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+            if hf_key in rope:
+                args[key] = rope[hf_key]
+    q = hf.get("quantization_config")
+    if isinstance(q, dict):
+        for hf_key, key in (("quant_method", "dtype"), ("scale_fmt", "scale_fmt"), ("expert_dtype", "expert_dtype")):
+            if hf_key in q:
+                args[key] = q[hf_key]
+        wbs = q.get("weight_block_size")
+        if wbs is not None:
+            if not (isinstance(wbs, list) and len(wbs) == 2 and wbs[0] == wbs[1]):
+                raise CheckpointError(f"{where}: quantization_config.weight_block_size must be a square "
+                                      f"[b, b] block, got {wbs!r}")
+            args["fp8_block_size"] = wbs[0]
+    for key in _DERIVED:
+        if key in hf:
+            args[key] = hf[key]
+    return args
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = False,
+                    console: Console | None = None, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write a deterministic random checkpoint for `cfg` into the folder `out`; returns `out`.
+
+    Same (cfg, seed) -> byte-identical files. Written into a temporary sibling folder and renamed
+    into place, one shard in memory at a time; an interrupted write leaves nothing at `out`.
+    Raises CheckpointError if `out` exists and not `force` (nothing is touched then).
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already exists; pass --force to replace it")
+    t0 = time.perf_counter()
+    params = engram_params(cfg)
+    spec = checkpoint_spec(cfg, tuple(params.num_embeddings))
+    derived = {"engram_num_embeddings": params.num_embeddings,
+               "engram_compressed_vocab_size": params.compressed_vocab_size}
+    plan = _shard_plan(spec, shard_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    threads = torch.get_num_threads()
+    # The work is many ~1M-element elementwise ops. On a shared machine, OpenMP threads spin
+    # against other processes and run these 7-10x slower than one thread does (measured on the
+    # 2-core dev box); single-threaded stays within 2x of the idle multi-threaded speed.
+    torch.set_num_threads(1)
+    try:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, names in enumerate(plan):
+            shard = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+            tensors = dict(pair for name in names for pair in _stored(spec[name], cfg, seed))
+            for name, t in tensors.items():
+                _check_drawn(spec[name], t)
+                weight_map[name] = shard
+                total += t.numel() * t.element_size()
+            safetensors.torch.save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+            os.chmod(tmp / shard, 0o644)  # safetensors creates files owner-only; the JSON files are 0644 too
+            del tensors
+        _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        _write_json(tmp / HF_CONFIG_NAME, hf_config(cfg, derived))
+        _write_json(tmp / INFERENCE_CONFIG_NAME, {**cfg.to_dict(), **derived})
+        for f in tokenizer_files():
+            shutil.copyfile(f, tmp / f.name)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    if console is not None:
+        console.print(f"wrote {out}: {len(weight_map)} tensors in {len(plan)} shards, "
+                      f"{total / 2**20:.1f} MiB, seed {seed}, {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def _check_drawn(s: TensorSpec, t: torch.Tensor) -> None:
+    # spec and quantizers come from different modules: a disagreement must not reach the file
+    if tuple(t.shape) != s.shape or t.dtype != TORCH_DTYPES[s.dtype]:
+        raise RuntimeError(f"{s.name}: drew {t.dtype} {tuple(t.shape)}, spec says {s.dtype} {list(s.shape)}")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing out (force) is moved aside first and deleted after."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+
+
+# ============================================================================== reading
+def read_checkpoint_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint folder.
+
+    Built from inference/config.json (ModelArgs keys) when present, else from config.json (HF keys);
+    when both exist every key they share must agree. The derived engram_num_embeddings must equal
+    the prime-search layout of the config. Raises CheckpointError naming the file and key(s) (all
+    disagreements at once), ConfigError for an invalid config.
+    """
+    path = Path(path)
+    hf_path, inf_path = path / HF_CONFIG_NAME, path / INFERENCE_CONFIG_NAME
+    if not hf_path.is_file() and not inf_path.is_file():
+        raise CheckpointError(f"{path}: neither {HF_CONFIG_NAME} nor {INFERENCE_CONFIG_NAME} exists")
+    hf = _model_args_from_hf(_read_json(hf_path), str(hf_path)) if hf_path.is_file() else None
+    inf = _read_json(inf_path) if inf_path.is_file() else None
+    if hf is not None and inf is not None:
+        hf_name = {key: hf_key for hf_key, key in _HF_KEYS}
+        bad = [f"{hf_name.get(k, k)}={hf[k]!r} vs {k}={inf[k]!r}" for k in hf
+               if k in inf and _norm(hf[k]) != _norm(inf[k])]
+        if bad:
+            raise CheckpointError(f"{path}: {HF_CONFIG_NAME} and {INFERENCE_CONFIG_NAME} disagree: " + "; ".join(bad))
+    args = dict(inf if inf is not None else hf)
+    where = str(inf_path if inf is not None else hf_path)
+    derived = {k: args.pop(k) for k in _DERIVED if k in args}
+    cfg = ModelConfig.from_dict(args, where)
+    rows = list(engram_layout(cfg).num_embeddings)
+    if "engram_num_embeddings" in derived and _norm(derived["engram_num_embeddings"]) != rows:
+        raise CheckpointError(f"{where}: engram_num_embeddings {derived['engram_num_embeddings']} differs from "
+                              f"the prime-search table sizes {rows} of this config")
+    return cfg
+
+
+def _norm(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _read_json(p: Path) -> Any:
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: cannot read JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{p}: expected a JSON object")
+    return obj
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    idx = path / INDEX_NAME
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint folder (no such directory)")
+    if not idx.is_file():
+        raise CheckpointError(f"{idx}: missing; a checkpoint folder holds {INDEX_NAME} and its shards")
+    wm = _read_json(idx).get("weight_map")
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise CheckpointError(f"{idx}: `weight_map` must map tensor names to shard file names")
+    return wm
+
+
+def _scan(path: Path, weight_map: dict[str, str]) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], list[str]]:
+    """Headers of every indexed shard: ({name: (shard, dtype, shape)}, problems with the shards)."""
+    found: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+    problems: list[str] = []
+    for shard in sorted(set(weight_map.values())):
+        f = path / shard
+        listed = sorted(n for n, s in weight_map.items() if s == shard)
+        if Path(shard).name != shard or not f.is_file():
+            problems.append(f"{shard}: shard file missing ({len(listed)} tensors listed in the index)")
+            continue
+        try:
+            with safetensors.safe_open(str(f), "pt") as h:
+                for name in h.keys():
+                    sl = h.get_slice(name)
+                    if name in found:
+                        problems.append(f"{name}: stored twice ({found[name][0]} and {shard})")
+                    found[name] = (shard, sl.get_dtype(), tuple(sl.get_shape()))
+        except Exception as e:  # safetensors raises its own SafetensorError and OSError variants
+            problems.append(f"{shard}: corrupt safetensors file ({e})")
+            continue
+        for name in listed:
+            if name in found and found[name][0] != shard:
+                problems.append(f"{name}: index says {shard}, stored in {found[name][0]}")
+    return found, problems
+
+
+def _fmt(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype} {list(shape)}"
+
+
+def validate_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> dict[str, str]:
+    """Check every tensor header against checkpoint_spec without reading tensor data.
+
+    Returns {tensor name: shard file}. Raises CheckpointError listing, in one message, every
+    missing, unexpected and mismatched tensor (expected vs found dtype and shape), every missing or
+    corrupt shard and index inconsistency.
+    """
+    path = Path(path)
+    spec = checkpoint_spec(cfg, tuple(engram_num_embeddings))
+    weight_map = _read_index(path)
+    found, shard_problems = _scan(path, weight_map)
+    missing = [f"{n}: expected {_fmt(s.dtype, s.shape)}" for n, s in spec.items() if n not in found]
+    unexpected = [f"{n}: found {_fmt(d, sh)} in {sh_file}" for n, (sh_file, d, sh) in found.items() if n not in spec]
+    mismatched = [f"{n}: expected {_fmt(spec[n].dtype, spec[n].shape)}, found {_fmt(d, sh)} in {f}"
+                  for n, (f, d, sh) in found.items() if n in spec and (d, sh) != (spec[n].dtype, spec[n].shape)]
+    not_indexed = [f"{n}: stored in {f} but not listed in {INDEX_NAME}"
+                   for n, (f, _, _) in found.items() if n in spec and n not in weight_map]
+    groups = [("shards", shard_problems), ("missing", missing), ("unexpected", unexpected),
+              ("mismatched", mismatched), ("index", not_indexed)]
+    n_bad = sum(len(g) for _, g in groups)
+    if n_bad:
+        lines = [f"{path}: {n_bad} checkpoint problem(s)"]
+        for title, items in groups:
+            if items:
+                lines.append(f"  {title} ({len(items)}):")
+                lines.extend(f"    {item}" for item in items)
+        raise CheckpointError("\n".join(lines))
+    return {n: found[n][0] for n in spec}
+
+
+def load_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Read and validate a checkpoint folder (safetensors only, never pickle).
+
+    Returns {HF name: tensor} in checkpoint_spec order with the stored dtypes (float8_e4m3fn,
+    float8_e8m0fnu, int8, bfloat16, float32). Raises CheckpointError as `validate_checkpoint`.
+    """
+    path = Path(path)
+    where = validate_checkpoint(path, cfg, engram_num_embeddings)
+    out: dict[str, torch.Tensor] = {}
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in where.items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard, names in by_shard.items():
+        with safetensors.safe_open(str(path / shard), "pt") as h:
+            for name in names:
+                out[name] = h.get_tensor(name)
+    return {n: out[n] for n in where}
+
+
+# ============================================================================== reporting
+def tensor_family(name: str) -> str:
+    """Name with every layer / expert / stage number replaced by `*` (layers.3.ffn.experts.7.w1.weight
+    -> layers.*.ffn.experts.*.w1.weight)."""
+    return re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", name)
+
+
+def _dequantized(spec: dict[str, TensorSpec], name: str, t: torch.Tensor, scale: torch.Tensor | None,
+                 block: int) -> torch.Tensor:
+    kind = spec[name].kind
+    if kind == "fp8":
+        return dequant_fp8_weight(t, scale, block)
+    if kind == "fp4":
+        return dequant_fp4_weight(t, scale)
+    if kind == "fp8row":
+        return (t.float().unflatten(-1, (-1, block)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
+    return t.float()
+
+
+def checkpoint_weight_stats(path: Path) -> dict[str, dict[str, float]]:
+    """Per tensor family: {"count", "mean", "std", "amax"} of the dequantised weights.
+
+    Scale tensors are folded into their weights, not reported. Reads one tensor at a time.
+    Raises CheckpointError as `read_checkpoint_config` / `validate_checkpoint`.
+    """
+    path = Path(path)
+    cfg = read_checkpoint_config(path)
+    rows = engram_layout(cfg).num_embeddings
+    spec = checkpoint_spec(cfg, rows)
+    where = validate_checkpoint(path, cfg, rows)
+    acc: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        handles = {sh: stack.enter_context(safetensors.safe_open(str(path / sh), "pt")) for sh in set(where.values())}
+        for name, s in spec.items():
+            if s.kind == "scale":
+                continue
+            t = handles[where[name]].get_tensor(name)
+            scale = None
+            if s.kind != "plain":
+                sname = scale_name(name)
+                scale = handles[where[sname]].get_tensor(sname)
+            w = _dequantized(spec, name, t, scale, cfg.fp8_block_size)
+            a = acc.setdefault(tensor_family(name), [0.0, 0.0, 0.0, 0.0])
+            # per-tensor sums in fp32 (torch's cascade summation), families summed in Python floats
+            a[0] += w.numel()
+            a[1] += float(w.sum())
+            a[2] += float(w.square().sum())
+            a[3] = max(a[3], float(w.abs().max()) if w.numel() else 0.0)
+    stats = {}
+    for fam, (n, s1, s2, amax) in acc.items():
+        mean = s1 / n
+        stats[fam] = {"count": n, "mean": mean, "std": math.sqrt(max(s2 / n - mean * mean, 0.0)), "amax": amax}
+    return stats
+
+
+def model_health_stats(path: Path) -> dict[str, Any] | None:
+    """Hook for model-based health figures of a checkpoint, shown by `inspect-checkpoint --stats`:
+    residual RMS per layer, SwiGLU clamp rate, tokens per expert, logits std, NaN/inf count.
+
+    Not wired yet (the lead connects graphs/model.py here); returns None, which the report shows
+    as "not available".
+    """
+    return None
+
+
+def inspect_checkpoint(path: Path, stats: bool = False, console: Console | None = None) -> None:
+    """Validate a checkpoint folder and print its tensor families (dtype, shapes, count, bytes, totals).
+
+    stats: also print `checkpoint_weight_stats` and `model_health_stats`.
+    Raises CheckpointError (every problem at once) when the folder does not match its own config.
+    """
+    path = Path(path)
+    console = console or Console()
+    cfg = read_checkpoint_config(path)
+    rows = engram_layout(cfg).num_embeddings
+    spec = checkpoint_spec(cfg, rows)
+    where = validate_checkpoint(path, cfg, rows)
+    fams: dict[tuple[str, str], list[Any]] = {}
+    for name, s in spec.items():
+        f = fams.setdefault((tensor_family(name), s.dtype), [[], 0, 0])
+        if s.shape not in f[0]:
+            f[0].append(s.shape)
+        f[1] += 1
+        f[2] += _nbytes(s)
+    table = Table(title=f"{path}  ({len(set(where.values()))} shards)")
+    for col, justify in (("family", "left"), ("dtype", "left"), ("shape", "left"), ("count", "right"), ("MiB", "right")):
+        table.add_column(col, justify=justify)
+    for (fam, dtype), (shapes, count, nbytes) in fams.items():
+        shape_txt = ", ".join(str(list(sh)) for sh in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+        table.add_row(fam, dtype, shape_txt, str(count), f"{nbytes / 2**20:.2f}")
+    total = sum(f[2] for f in fams.values())
+    table.add_section()
+    table.add_row("total", "", "", str(len(spec)), f"{total / 2**20:.2f}")
+    console.print(table)
+    console.print(f"total {total:,} bytes in {len(spec)} tensors; config: dim {cfg.dim}, {cfg.n_layers} layers "
+                  f"+ {cfg.n_mtp_layers} DSpark stages, vocab {cfg.vocab_size}, engram rows {list(rows)}")
+    if not stats:
+        return
+    st = Table(title="dequantised weights per family")
+    for col in ("family", "count", "mean", "std", "amax"):
+        st.add_column(col, justify="left" if col == "family" else "right")
+    for fam, v in checkpoint_weight_stats(path).items():
+        st.add_row(fam, f"{int(v['count']):,}", f"{v['mean']:+.4f}", f"{v['std']:.4f}", f"{v['amax']:.4f}")
+    console.print(st)
+    health = model_health_stats(path)
+    if health is None:
+        console.print("model statistics: not available (model_health_stats is not wired yet)")
+    else:
+        console.print(health)
