@@ -1,0 +1,388 @@
+"""Checkpoint writer, loader and report (graphs/checkpoint.py) on the micro config.
+
+The micro checkpoint of the session fixture is written once; tests that damage a checkpoint work on
+a folder of symlinks to it plus rewritten copies of the files they change. Oracles: float64 +
+ml_dtypes quantization of the drawn values, trial division for the engram primes, the HF key table
+of reference/deepseek_v4_arch.md section 1.2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from rich.console import Console
+
+from dsneuron import UserError
+from dsneuron.graphs import checkpoint as ck
+from dsneuron.graphs.checkpoint import (CheckpointError, checkpoint_weight_stats, draw_tensor, inspect_checkpoint,
+                                        load_checkpoint, make_checkpoint, read_checkpoint_config, tensor_family)
+from dsneuron.graphs.engram import engram_layout
+from dsneuron.graphs.spec import checkpoint_spec
+
+INDEX = "model.safetensors.index.json"
+
+
+def _sha(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model-*.safetensors"))
+
+
+def _clone(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:
+    """dst with a symlink to every file of src, except the relative paths in `copy`, which are copied."""
+    for p in src.rglob("*"):
+        if p.is_file():
+            rel = p.relative_to(src)
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            if str(rel) in copy:
+                (dst / rel).write_bytes(p.read_bytes())
+            else:
+                (dst / rel).symlink_to(p)
+    return dst
+
+
+def _rows(cfg) -> tuple[int, ...]:
+    return engram_layout(cfg).num_embeddings
+
+
+# ------------------------------------------------------------------------------------ layout
+def test_files_index_and_configs(micro_checkpoint, micro_cfg):
+    spec = checkpoint_spec(micro_cfg, _rows(micro_cfg))
+    index = json.loads((micro_checkpoint / INDEX).read_text())
+    assert set(index["weight_map"]) == set(spec)
+    shards = _shards(micro_checkpoint)
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == {p.name for p in shards}
+    n = len(shards)
+    assert [p.name for p in shards] == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    itemsize = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
+    assert index["metadata"]["total_size"] == sum(math.prod(s.shape) * itemsize[s.dtype] for s in spec.values())
+    assert not any(name.startswith("model.") for name in index["weight_map"])
+
+    hf = json.loads((micro_checkpoint / "config.json").read_text())
+    assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]) == (256, 6, 4)
+    assert (hf["moe_intermediate_size"], hf["num_experts_per_tok"], hf["rms_norm_eps"]) == (128, 2, 1e-20)
+    assert hf["kv_source_layer_ids"] == [1, 3] and hf["rope_scaling"]["type"] == "yarn"
+    assert hf["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                         "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                                         "expert_dtype": "fp4"}
+    inf = json.loads((micro_checkpoint / "inference" / "config.json").read_text())
+    assert inf["dim"] == 256 and inf["kv_source_layers"] == [1, 3]
+    assert hf["engram_num_embeddings"] == inf["engram_num_embeddings"] == list(_rows(micro_cfg))
+    assert hf["engram_compressed_vocab_size"] == inf["engram_compressed_vocab_size"] == 99092
+    assert read_checkpoint_config(micro_checkpoint) == micro_cfg
+    assert (micro_checkpoint / "tokenizer.json").is_file()
+
+
+def test_engram_tables_are_sized_by_the_primes(micro_checkpoint, micro_cfg):
+    lay = engram_layout(micro_cfg)
+    with safetensors.safe_open(str(_find(micro_checkpoint, "layers.0.engram.embed.weight")), "pt") as f:
+        rows0 = f.get_slice("layers.0.engram.embed.weight").get_shape()[0]
+    flat = [p for layer in lay.primes for per_n in layer for p in per_n]
+    assert all(p > micro_cfg.engram_vocab_size - 1 and all(p % d for d in range(2, math.isqrt(p) + 1)) for p in flat)
+    assert len(set(flat)) == len(flat)
+    assert rows0 == sum(p for per_n in lay.primes[0] for p in per_n)
+    ckpt = load_checkpoint(micro_checkpoint, micro_cfg, lay.num_embeddings)
+    for li, layer_id in enumerate(micro_cfg.engram_layer_ids):
+        assert ckpt[f"layers.{layer_id}.engram.embed.weight"].shape[0] == sum(sum(p) for p in lay.primes[li])
+
+
+def _find(folder: Path, name: str) -> Path:
+    return folder / json.loads((folder / INDEX).read_text())["weight_map"][name]
+
+
+# -------------------------------------------------------------------------------- determinism
+def test_same_seed_is_byte_identical_and_force_replaces(micro_checkpoint, micro_cfg, tmp_path):
+    out = tmp_path / "again"
+    out.mkdir()
+    (out / "marker").write_text("old")
+    make_checkpoint(micro_cfg, out, seed=0, force=True)
+    assert _sha(out) == _sha(micro_checkpoint)
+    assert [p.name for p in tmp_path.iterdir()] == ["again"]  # no temporary or old folder left
+
+
+def test_other_seed_differs(micro_checkpoint, micro_cfg, tmp_path):
+    other = make_checkpoint(micro_cfg, tmp_path / "seed1", seed=1)
+    a, b = _sha(micro_checkpoint), _sha(other)
+    assert a.keys() == b.keys()
+    shard_names = [p.name for p in _shards(other)]
+    assert all(a[s] != b[s] for s in shard_names)
+    assert a["config.json"] == b["config.json"]
+
+
+def test_tensor_seed_is_stable():
+    # sha256-based, so fixed across processes and Python versions (unlike hash())
+    expected = int.from_bytes(hashlib.sha256(b"7:layers.0.attn.wq_a.weight").digest()[:8], "little") >> 1
+    assert ck.tensor_seed(7, "layers.0.attn.wq_a.weight") == expected
+    assert ck.tensor_seed(7, "a") != ck.tensor_seed(8, "a") != ck.tensor_seed(7, "b")
+
+
+# -------------------------------------------------------------------------------- round trip
+def _pow2_ceil(x: np.ndarray) -> np.ndarray:
+    return np.exp2(np.ceil(np.log2(x)))
+
+
+def test_round_trip_equals_independent_quantization(micro_checkpoint, micro_cfg):
+    spec = checkpoint_spec(micro_cfg, _rows(micro_cfg))
+    ckpt = load_checkpoint(micro_checkpoint, micro_cfg, _rows(micro_cfg))
+    assert list(ckpt) == list(spec)
+    for name, s in spec.items():
+        assert ckpt[name].dtype == ck.TORCH_DTYPES[s.dtype] and tuple(ckpt[name].shape) == s.shape, name
+
+    # FP8 32x32: scale = 2^ceil(log2(amax/448)), q = e4m3 RNE (ml_dtypes) of w / scale
+    name = "layers.2.attn.wq_b.weight"
+    w = draw_tensor(spec[name], micro_cfg, 0).double().numpy()
+    n, k = w.shape
+    amax = np.abs(w).reshape(n // 32, 32, k // 32, 32).max(axis=(1, 3))
+    scale = _pow2_ceil(np.maximum(amax, 1e-4).astype(np.float32) * np.float32(1 / 448))
+    got_scale = ck.ue8m0_to_float(ckpt["layers.2.attn.wq_b.scale"]).double().numpy()
+    np.testing.assert_array_equal(got_scale, scale)
+    q = (w / np.kron(scale, np.ones((32, 32)))).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(ckpt[name].view(torch.uint8).numpy(), q.view(np.uint8))
+
+    # FP4 1x32: scale = 2^ceil(log2(amax/6)); the even element sits in the low nibble
+    name = "layers.1.ffn.experts.3.w1.weight"
+    w = draw_tensor(spec[name], micro_cfg, 0).double().numpy()
+    amax = np.abs(w).reshape(w.shape[0], -1, 32).max(axis=-1)
+    scale = _pow2_ceil(amax.astype(np.float32) * np.float32(1 / 6))
+    np.testing.assert_array_equal(ck.ue8m0_to_float(ckpt["layers.1.ffn.experts.3.w1.scale"]).double().numpy(), scale)
+    v = (w / np.repeat(scale, 32, axis=1)).astype(np.float32).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    packed = ckpt[name].view(torch.uint8).numpy().astype(np.int64)
+    table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    np.testing.assert_array_equal(table[packed & 15], v[:, 0::2])
+    np.testing.assert_array_equal(table[packed >> 4], v[:, 1::2])
+
+    # engram table: e4m3 rows with one scale per 32 of each row
+    name = "layers.0.engram.embed.weight"
+    w = draw_tensor(spec[name], micro_cfg, 0).double().numpy()
+    amax = np.abs(w).reshape(w.shape[0], -1, 32).max(axis=-1)
+    scale = _pow2_ceil(np.maximum(amax, 1e-4).astype(np.float32) * np.float32(1 / 448))
+    np.testing.assert_array_equal(ck.ue8m0_to_float(ckpt["layers.0.engram.embed.scale"]).double().numpy(), scale)
+    q = (w / np.repeat(scale, 32, axis=1)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(ckpt[name].view(torch.uint8).numpy(), q.view(np.uint8))
+
+    # plain tensors: one rounding of the drawn fp32 values
+    for name in ("embed.weight", "layers.0.hc_attn_fn", "layers.3.ffn.gate.bias", "layers.0.attn_norm.weight"):
+        want = draw_tensor(spec[name], micro_cfg, 0).to(ckpt[name].dtype)
+        assert torch.equal(ckpt[name], want), name
+
+
+def test_initial_magnitudes(micro_checkpoint, micro_cfg):
+    stats = checkpoint_weight_stats(micro_checkpoint)
+    d, inter = micro_cfg.dim, micro_cfg.moe_inter_dim
+
+    def close(fam, key, want, rel=0.05):
+        assert abs(stats[fam][key] - want) <= rel * abs(want), (fam, key, stats[fam][key], want)
+
+    close("embed.weight", "std", 1.0)
+    close("head.weight", "std", 1 / math.sqrt(d))
+    close("layers.*.attn.wq_a.weight", "std", 1 / math.sqrt(d))
+    close("layers.*.attn.wq_b.weight", "std", 1 / math.sqrt(micro_cfg.q_lora_rank))
+    close("layers.*.ffn.experts.*.w1.weight", "std", ck.SWIGLU_STD / math.sqrt(d))
+    close("layers.*.ffn.experts.*.w2.weight", "std", ck.W2_GAIN / math.sqrt(inter))
+    close("layers.*.attn_norm.weight", "mean", 1.0, 0.01)
+    close("layers.*.hc_attn_fn", "std", ck.HC_FN_GAIN / math.sqrt(micro_cfg.hc_mult * d))
+    assert abs(stats["layers.*.attn.attn_sink"]["mean"]) < 0.1
+    assert "layers.*.attn.wq_a.scale" not in stats
+
+
+def test_hc_base_gives_the_intended_mixes():
+    hc = 4
+    base = ck._hc_base_mean(hc)
+    pre = torch.sigmoid(base[:hc])
+    post = 2 * torch.sigmoid(base[hc:2 * hc])
+    comb = torch.softmax(base[2 * hc:].view(hc, hc), dim=-1)
+    assert torch.allclose(pre.sum(), torch.tensor(1.0)) and torch.allclose(post, torch.ones(hc))
+    assert bool((comb.diagonal() > 0.6).all())
+
+
+# ------------------------------------------------------------------------------------ loader
+def test_loader_names_every_problem_at_once(micro_checkpoint, micro_cfg, tmp_path):
+    spec = checkpoint_spec(micro_cfg, _rows(micro_cfg))
+    shard = _find(micro_checkpoint, "layers.2.attn.wq_a.weight").name
+    bad = _clone(micro_checkpoint, tmp_path / "bad", copy=(shard,))
+    tensors = safetensors.torch.load_file(str(bad / shard))
+    bf16 = [n for n in spec if n in tensors and spec[n].dtype == "BF16"]
+    f32 = [n for n in spec if n in tensors and spec[n].dtype == "F32"]
+    shape_victim, dtype_victim, deleted = bf16[0], f32[0], bf16[-1]
+    tensors[shape_victim] = tensors[shape_victim][..., :-1].contiguous()
+    tensors[dtype_victim] = tensors[dtype_victim].to(torch.float16)
+    del tensors[deleted]
+    tensors["layers.0.stray.weight"] = torch.zeros(3)
+    (bad / shard).unlink()
+    safetensors.torch.save_file(tensors, str(bad / shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad, micro_cfg, _rows(micro_cfg))
+    msg = str(e.value)
+    s = spec[shape_victim]
+    assert f"{shape_victim}: expected {s.dtype} {list(s.shape)}, found {s.dtype} {list(s.shape[:-1]) + [s.shape[-1] - 1]}" in msg
+    assert f"{dtype_victim}: expected {spec[dtype_victim].dtype}" in msg and "found F16" in msg
+    assert f"missing (1):\n    {deleted}: expected" in msg
+    assert "unexpected (1):\n    layers.0.stray.weight: found F32 [3]" in msg
+    assert str(bad) in msg and "4 checkpoint problem(s)" in msg
+    assert isinstance(e.value, UserError)
+
+
+def test_loader_missing_index_shard_and_corrupt_shard(micro_checkpoint, micro_cfg, tmp_path):
+    rows = _rows(micro_cfg)
+    no_index = _clone(micro_checkpoint, tmp_path / "noindex")
+    (no_index / INDEX).unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: missing"):
+        load_checkpoint(no_index, micro_cfg, rows)
+
+    shards = [p.name for p in _shards(micro_checkpoint)]
+    broken = _clone(micro_checkpoint, tmp_path / "broken", copy=(shards[1],))
+    (broken / shards[0]).unlink()
+    data = (broken / shards[1]).read_bytes()
+    (broken / shards[1]).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(broken, micro_cfg, rows)
+    msg = str(e.value)
+    assert f"{shards[0]}: shard file missing" in msg
+    assert f"{shards[1]}: corrupt safetensors file" in msg
+    assert "embed.weight: expected BF16" in msg  # its tensors are reported missing too
+
+    with pytest.raises(CheckpointError, match="no such directory"):
+        load_checkpoint(tmp_path / "nowhere", micro_cfg, rows)
+
+
+def test_loader_checks_against_the_given_config(micro_checkpoint, micro_cfg):
+    import dataclasses
+
+    other = dataclasses.replace(micro_cfg, moe_inter_dim=160)
+    with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight: expected I8 \[160, 128\], found I8 \[128, 128\]"):
+        load_checkpoint(micro_checkpoint, other, _rows(micro_cfg))
+
+
+def test_config_files_must_agree(micro_checkpoint, tmp_path):
+    bad = _clone(micro_checkpoint, tmp_path / "cfg", copy=("config.json",))
+    hf = json.loads((bad / "config.json").read_text())
+    hf["hidden_size"], hf["sliding_window"] = 512, 32
+    (bad / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError) as e:
+        read_checkpoint_config(bad)
+    assert "hidden_size=512 vs dim=256" in str(e.value) and "sliding_window=32 vs window_size=16" in str(e.value)
+
+    only_hf = _clone(micro_checkpoint, tmp_path / "hf")
+    (only_hf / "inference" / "config.json").unlink()
+    assert read_checkpoint_config(only_hf) == read_checkpoint_config(micro_checkpoint)
+
+    rows = _clone(micro_checkpoint, tmp_path / "rows", copy=("inference/config.json",))
+    inf = json.loads((rows / "inference" / "config.json").read_text())
+    inf["engram_num_embeddings"][0] += 1
+    (rows / "inference" / "config.json").write_text(json.dumps(inf))
+    (rows / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="engram_num_embeddings"):
+        read_checkpoint_config(rows)
+
+
+# ------------------------------------------------------------------------------- atomic write
+def test_existing_out_is_an_error_and_untouched(micro_cfg, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="--force") as e:
+        make_checkpoint(micro_cfg, out, seed=0)
+    assert str(out) in str(e.value)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["exists"]
+
+
+def test_interrupted_write_leaves_nothing(micro_cfg, tmp_path, monkeypatch):
+    real = safetensors.torch.save_file
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C half-way
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    with pytest.raises(KeyboardInterrupt):
+        make_checkpoint(micro_cfg, tmp_path / "half", seed=0)
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------- CLI
+def _cli(monkeypatch, *args: str) -> tuple[int, str, str]:
+    """Run the `dsneuron` entry point in-process: (exit code, stdout, stderr)."""
+    from dsneuron.compiler import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=200))
+    monkeypatch.setattr(cli, "err_console", Console(file=err, width=200))
+    monkeypatch.setattr(sys, "argv", ["dsneuron", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_existing_out_exits_2(tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", "make-checkpoint", "--config", "micro",
+                        "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and "--force" in r.stderr and "exists" in r.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_cli_bad_config_key(tmp_path, monkeypatch):
+    raw = json.loads(Path(ck.__file__).parent.parent.joinpath("compiler/configs/micro.json").read_text())
+    raw["model"]["dimm"] = 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    code, _, err = _cli(monkeypatch, "make-checkpoint", "--config", str(bad), "--out", str(tmp_path / "new"))
+    assert code == 2 and "model.dimm" in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_cli_inspect(micro_checkpoint, tmp_path, monkeypatch):
+    code, out, _ = _cli(monkeypatch, "inspect-checkpoint", str(micro_checkpoint))
+    assert code == 0
+    assert "layers.*.ffn.experts.*.w1.weight" in out and "total" in out
+    code, _, err = _cli(monkeypatch, "inspect-checkpoint", str(tmp_path / "nothing"))
+    assert code == 2 and "nothing" in err
+
+
+def test_inspect_report_and_stats(micro_checkpoint):
+    buf = io.StringIO()
+    inspect_checkpoint(micro_checkpoint, stats=True, console=Console(file=buf, width=200))
+    out = buf.getvalue()
+    assert "layers.*.attn.wq_a.scale" in out and "F8_E8M0" in out and "[4, 8]" in out
+    assert "dequantised weights per family" in out and "model statistics" in out
+
+
+def test_tensor_family():
+    assert tensor_family("layers.3.ffn.experts.12.w1.weight") == "layers.*.ffn.experts.*.w1.weight"
+    assert tensor_family("mtp.0.markov_head.embed.weight") == "mtp.*.markov_head.embed.weight"
+    assert tensor_family("embed.weight") == "embed.weight"
+
+
+# --------------------------------------------------------------------------------------- slow
+@pytest.mark.slow
+def test_tiny_checkpoint_is_deterministic(tmp_path):
+    from dsneuron.compiler.config import load_config
+
+    cfg = load_config("tiny")[0]
+    a = make_checkpoint(cfg, tmp_path / "a", seed=0)
+    b = make_checkpoint(cfg, tmp_path / "b", seed=0)
+    assert _sha(a) == _sha(b)
+    assert len(_shards(a)) >= 4
+    load_checkpoint(a, cfg, _rows(cfg))
