@@ -110,7 +110,7 @@ def dequantize_e4m3(values: torch.Tensor, scales: torch.Tensor, block: int = SCA
     exponent bytes uint8) -> fp32 [..., D].
 
     Exact: an e4m3 value times a power of two is representable in fp32 while it stays inside fp32's
-    range. Raises ValueError on a wrong dtype or scale shape (and on exponent byte 255).
+    range; scale byte 255 (e8m0 NaN) gives NaN. Raises ValueError on a wrong dtype or scale shape.
     """
     if values.dtype != torch.float8_e4m3fn:
         raise ValueError(f"dequantize_e4m3: expected float8_e4m3fn values, got {values.dtype}")
@@ -121,10 +121,25 @@ def dequantize_e2m1(packed: torch.Tensor, scales: torch.Tensor, block: int = SCA
     """Packed FP4 e2m1 pairs [..., D/2] (int8, uint8 or float4_e2m1fn_x2; even element in the low
     nibble) with UE8M0 scales [..., D/block] -> fp32 [..., D].
 
-    Exact while the result stays inside fp32's range. Raises ValueError on a wrong dtype or scale shape.
+    Exact while the result stays inside fp32's range; scale byte 255 (e8m0 NaN) gives NaN. Raises
+    ValueError on a wrong dtype or scale shape.
     """
     if packed.dtype not in PACKED_FP4_DTYPES:
         raise ValueError(f"dequantize_e2m1: expected packed e2m1 bytes {PACKED_FP4_DTYPES}, got {packed.dtype}")
     if packed.dtype == torch.float4_e2m1fn_x2:
         packed = packed.view(torch.uint8)
-    return _apply_block_scales(fp4_codes_to_float(unpack_fp4(packed)), scales, block, "dequantize_e2m1")
+    # the 16-entry table is computed, not a tensor literal: a tensor constant cannot appear inside a
+    # decomposition that the cpu lowering traces
+    table = _e2m1_decode(torch.arange(16, device=packed.device))
+    values = table[unpack_fp4(packed).long()]
+    return _apply_block_scales(values, scales, block, "dequantize_e2m1")
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (integer dtype, 0..15) -> fp32 from the bit fields (exponent bias 1, one mantissa
+    bit); equal to `fp4_codes_to_float`, -0 included."""
+    c = codes.to(torch.int32)
+    exp, mant = (c >> 1) & 0x3, (c & 0x1).float()
+    normal = torch.pow(2.0, (exp - 1).float()) * (1.0 + 0.5 * mant)
+    magnitude = torch.where(exp > 0, normal, 0.5 * mant)
+    return torch.where((c & 0x8) != 0, -magnitude, magnitude)

@@ -1,0 +1,244 @@
+"""Torch references of the indexer-logits ops: the V4.1 model's bf16 form and the FP8/FP4 MQA logits.
+
+score[s, t] = sum_h relu(q[s, h] . k[t]) * w[s, h]. `mqa_logits_bf16` reproduces the V4.1 model's
+eager expression (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py Indexer.forward) bit for bit.
+`mqa_logits` and `mqa_logits_sparse` take quantized operands and follow the DeepGEMM indexer
+(reference/kernel_numerics.md Part B) with the output conventions of the seed MQA-logits module
+(seeds/003, module docstring): ks-relative dense columns, block-mapped sparse columns, -inf outside
+the row's range, bf16 rows on 512-byte boundaries.
+
+Paged variants (a block table over a paged KV cache) are not provided: the runtime keeps no paged
+cache, so nothing would call them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsneuron.kernels_nki.formats import PACKED_FP4_DTYPES, SCALE_BLOCK, dequantize_e2m1, dequantize_e4m3
+
+#: Logits rows start on 512-byte boundaries (the seed's get_logits_stride): 256 bf16 columns.
+ROW_ALIGN_ELEMS = 512 // torch.bfloat16.itemsize
+
+#: Key-block sizes of the candidate-block (sparse) path (seed: sparse_block_kv in (8, 16)).
+SPARSE_BLOCK_SIZES = (8, 16)
+
+_SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Working-set budget for one chunk of query rows (their fp32 [rows, H, T] head scores).
+_CHUNK_BYTES = 8 << 20
+
+
+# --------------------------------------------------------------------------- bf16 form (V4.1 model)
+
+def check_mqa_logits_bf16_args(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> None:
+    """Shape and dtype contract of `mqa_logits_bf16`; raises ValueError (works on fake tensors)."""
+    if q.dtype != torch.bfloat16 or q.dim() != 4:
+        raise ValueError(f"mqa_logits_bf16: q must be bf16 [B,S,H,D], got {q.dtype} {tuple(q.shape)}")
+    bsz, seqlen, n_heads, dim = q.shape
+    if k.dtype != torch.bfloat16 or k.dim() != 3 or k.shape[0] != bsz or k.shape[2] != dim:
+        raise ValueError(f"mqa_logits_bf16: k must be bf16 [B={bsz},T,D={dim}], got {k.dtype} {tuple(k.shape)}")
+    if w.dtype != torch.bfloat16 or tuple(w.shape) != (bsz, seqlen, n_heads):
+        raise ValueError(
+            f"mqa_logits_bf16: w must be bf16 [B={bsz},S={seqlen},H={n_heads}], got {w.dtype} {tuple(w.shape)}"
+        )
+
+
+def mqa_logits_bf16_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Indexer scores as the V4.1 model computes them after FP4 quantize-dequantize.
+
+    Args:
+        q: [B, S, H, D] bf16 index queries (already FP4-QDQ'd by the caller).
+        k: [B, T, D] bf16 index keys (already FP4-QDQ'd).
+        w: [B, S, H] bf16 head weights (weights_proj output times the softmax and head scales).
+
+    Returns:
+        [B, S, T] bf16, no masking (the model masks). Rounding points, as in
+        Indexer.forward: each (s, h, t) dot accumulated in fp32 and rounded to bf16; relu; times
+        the bf16 weight, rounded to bf16; summed over h in fp32 with one final bf16 rounding.
+        It is the model's own expression, so the two agree bitwise; it holds the same
+        [B, S, H, T] bf16 intermediate the model does.
+
+    Raises:
+        ValueError: on a shape or dtype outside the contract.
+    """
+    check_mqa_logits_bf16_args(q, k, w)
+    score = torch.einsum("bshd,btd->bsht", q, k)
+    return (score.relu() * w.unsqueeze(-1)).sum(dim=2)
+
+
+# --------------------------------------------------------------------------- FP8 / FP4 forms
+
+def logits_layout(rows: int, cols: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(shape, stride) of a [rows, cols] bf16 logits tensor whose rows start every 512 bytes."""
+    stride = -(-cols // ROW_ALIGN_ELEMS) * ROW_ALIGN_ELEMS
+    return (rows, cols), (max(stride, 1), 1)
+
+
+def _operand_format(x: torch.Tensor, what: str) -> str:
+    if x.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    if x.dtype in PACKED_FP4_DTYPES:
+        return "fp4"
+    raise ValueError(f"{what}: expected float8_e4m3fn or packed e2m1 bytes {PACKED_FP4_DTYPES}, got {x.dtype}")
+
+
+def check_mqa_operands(op: str, q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                       weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor) -> None:
+    """Shape and dtype contract shared by `mqa_logits` and `mqa_logits_sparse` (works on fake tensors).
+
+    Raises ValueError naming the argument, the expected and the received shape or dtype.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be [S,H,D] (fp8) or [S,H,D/2] (packed fp4), got {tuple(q.shape)}")
+    if kv.dim() != 2:
+        raise ValueError(f"{op}: kv must be [T,D] (fp8) or [T,D/2] (packed fp4), got {tuple(kv.shape)}")
+    fmt = _operand_format(q, f"{op}: q")
+    if _operand_format(kv, f"{op}: kv") != fmt:
+        raise ValueError(f"{op}: q ({q.dtype}) and kv ({kv.dtype}) must use the same format")
+    n_rows, n_heads, width = q.shape
+    if kv.shape[1] != width:
+        raise ValueError(f"{op}: kv last dim must equal q's ({width}), got {tuple(kv.shape)}")
+    dim = width * (2 if fmt == "fp4" else 1)
+    if dim == 0 or dim % SCALE_BLOCK:
+        raise ValueError(f"{op}: head dim must be a positive multiple of {SCALE_BLOCK}, got {dim}")
+    groups = dim // SCALE_BLOCK
+    for name, sf, shape in (("q_sf", q_sf, (n_rows, n_heads, groups)), ("kv_sf", kv_sf, (kv.shape[0], groups))):
+        if sf.dtype not in _SCALE_DTYPES or tuple(sf.shape) != shape:
+            raise ValueError(f"{op}: {name} must be UE8M0 {_SCALE_DTYPES} {shape}, got {sf.dtype} {tuple(sf.shape)}")
+    if weights.dtype not in _WEIGHT_DTYPES or tuple(weights.shape) != (n_rows, n_heads):
+        raise ValueError(
+            f"{op}: weights must be fp32 or bf16 [S={n_rows},H={n_heads}], got {weights.dtype} {tuple(weights.shape)}"
+        )
+    for name, bound in (("ks", ks), ("ke", ke)):
+        if bound.dtype != torch.int32 or tuple(bound.shape) != (n_rows,):
+            raise ValueError(f"{op}: {name} must be int32 [S={n_rows}], got {bound.dtype} {tuple(bound.shape)}")
+
+
+def check_mqa_logits_sparse_extra(block_idx: torch.Tensor, block_size: int, n_rows: int) -> None:
+    """Shape and dtype contract of the sparse variant's block list; raises ValueError."""
+    if block_size not in SPARSE_BLOCK_SIZES:
+        raise ValueError(f"mqa_logits_sparse: block_size must be one of {SPARSE_BLOCK_SIZES}, got {block_size}")
+    if block_idx.dtype != torch.int32 or block_idx.dim() != 2 or block_idx.shape[0] != n_rows:
+        raise ValueError(
+            f"mqa_logits_sparse: block_idx must be int32 [S={n_rows},NB], "
+            f"got {block_idx.dtype} {tuple(block_idx.shape)}"
+        )
+
+
+def check_ranges(op: str, ks: torch.Tensor, ke: torch.Tensor, n_kv: int) -> None:
+    """Value contract of the per-row key ranges: 0 <= ks <= ke <= T. Raises ValueError naming the first bad row.
+
+    Skipped while the reference is traced (the cpu lowering inlines it): a value check needs a host
+    sync that a graph cannot hold. The ranges then come from the model's own graph, not from a caller.
+    """
+    if torch.compiler.is_compiling():
+        return
+    bad = (ks < 0) | (ks > ke) | (ke > n_kv)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{op}: row {row} has the key range [ks={int(ks[row])}, ke={int(ke[row])}); "
+            f"need 0 <= ks <= ke <= T={n_kv}"
+        )
+
+
+def _dequantize(x: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float8_e4m3fn:
+        return dequantize_e4m3(x, sf)
+    return dequantize_e2m1(x, sf)
+
+
+def _logits_at(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor, weights: torch.Tensor,
+               keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bf16 logits [S, C] (512-byte rows): score of key keys[s, c] where valid, -inf elsewhere."""
+    n_rows, n_heads = q.shape[:2]
+    n_kv, n_cols = kv.shape[0], keys.shape[1]
+    if n_kv == 0 or n_rows * n_cols == 0:
+        logits = torch.full((n_rows, n_cols), -math.inf, dtype=torch.bfloat16)
+    else:
+        qf = _dequantize(q, q_sf)  # exact in fp32 (e4m3/e2m1 times a power of two)
+        kf = _dequantize(kv, kv_sf)
+        wf = weights.float()
+        safe = keys.clamp(0, n_kv - 1)
+        step = max(1, _CHUNK_BYTES // (8 * n_heads * n_kv))
+        parts = []
+        for r0 in range(0, n_rows, step):
+            # every key of the row is scored, then the wanted ones are picked: the [rows, T] scores
+            # are small at the model's shapes, and torch.where keeps NaN/inf of unpicked keys out
+            head = torch.einsum("shd,td->sht", qf[r0:r0 + step], kf)
+            score = (head.relu() * wf[r0:r0 + step].unsqueeze(-1)).sum(dim=1)
+            picked = score.gather(1, safe[r0:r0 + step])
+            parts.append(torch.where(valid[r0:r0 + step], picked, -math.inf).to(torch.bfloat16))
+        logits = torch.cat(parts)
+    # rows padded to the aligned stride, then viewed back to n_cols: the seed's 512-byte rows
+    (_, width), (stride, _) = logits_layout(n_rows, n_cols)
+    return torch.nn.functional.pad(logits, (0, stride - width))[:, :width]
+
+
+def mqa_logits_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                   weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int) -> torch.Tensor:
+    """Dense MQA logits over contiguous keys, FP8 or FP4 operands.
+
+    Args:
+        q: [S, H, D] float8_e4m3fn, or [S, H, D/2] packed e2m1 (int8/uint8/float4_e2m1fn_x2; even
+            element in the low nibble). S counts query tokens of every request (no batch dim).
+        q_sf: [S, H, D/32] UE8M0 scales (float8_e8m0fnu or exponent bytes uint8), one per 32 elements.
+        kv: [T, D] or [T, D/2], same format as q. T counts keys of every request.
+        kv_sf: [T, D/32] UE8M0 scales.
+        weights: [S, H] fp32 or bf16 head weights.
+        ks, ke: [S] int32 absolute key range [ks, ke) of each row; 0 <= ks <= ke <= T.
+        max_seqlen_k: output columns (>= 0). Pass max(ke - ks) for the compressed form, or T with
+            ks = 0 for the full form.
+
+    Returns:
+        [S, max_seqlen_k] bf16, rows starting every 512 bytes. Column j of row s is key ks[s] + j:
+        bf16(sum_h relu(q[s,h] . kv[t]) * w[s,h]) with dequantized operands (value times
+        2^(byte - 127) per 32-group, exact in fp32), dot products and the head sum in fp32;
+        -inf where ks[s] + j >= ke[s].
+
+    Raises:
+        ValueError: on a shape, dtype or range outside the contract.
+    """
+    check_mqa_operands("mqa_logits", q, q_sf, kv, kv_sf, weights, ks, ke)
+    if max_seqlen_k < 0:
+        raise ValueError(f"mqa_logits: max_seqlen_k must be >= 0, got {max_seqlen_k}")
+    check_ranges("mqa_logits", ks, ke, kv.shape[0])
+    ks64, ke64 = ks.long().unsqueeze(1), ke.long().unsqueeze(1)
+    keys = ks64 + torch.arange(max_seqlen_k, dtype=torch.int64)
+    return _logits_at(q, q_sf, kv, kv_sf, weights, keys, keys < ke64)
+
+
+def mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                          weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_idx: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+    """MQA logits over selected key blocks (the candidate-block path), FP8 or FP4 operands.
+
+    Args: as `mqa_logits_ref`, plus
+        block_idx: [S, NB] int32 selected blocks per row; negative entries (-1) are empty.
+        block_size: B, keys per block: 8 or 16.
+
+    Returns:
+        [S, NB * B] bf16, rows starting every 512 bytes. Column b*B + o of row s is key
+        t = block_idx[s, b] * B + ks[s] % B + o (blocks are aligned to the row's start), with the
+        score of `mqa_logits_ref`; -inf where the block is empty or t lies outside [ks[s], ke[s]).
+        Every entry of block_idx is read. (The seed's kernel reads only the first
+        ceil((ke - ks) / B) entries; the two agree whenever the blocks that reach into the range
+        come first, as a sorted candidate list with -1 padding at the end does.)
+
+    Raises:
+        ValueError: on a shape, dtype, block size or range outside the contract.
+    """
+    check_mqa_operands("mqa_logits_sparse", q, q_sf, kv, kv_sf, weights, ks, ke)
+    check_mqa_logits_sparse_extra(block_idx, block_size, q.shape[0])
+    check_ranges("mqa_logits_sparse", ks, ke, kv.shape[0])
+    n_blocks = block_idx.shape[1]
+    ks64, ke64 = ks.long().unsqueeze(1), ke.long().unsqueeze(1)
+    blocks = block_idx.long().repeat_interleave(block_size, dim=1)
+    offset = torch.arange(block_size, dtype=torch.int64).repeat(n_blocks)
+    keys = blocks * block_size + ks64 % block_size + offset
+    valid = (blocks >= 0) & (keys >= ks64) & (keys < ke64)
+    return _logits_at(q, q_sf, kv, kv_sf, weights, keys, valid)
