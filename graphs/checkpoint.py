@@ -552,14 +552,14 @@ def checkpoint_weight_stats(path: Path) -> dict[str, dict[str, float]]:
     return stats
 
 
-def model_health_stats(path: Path) -> dict[str, Any] | None:
-    """Hook for model-based health figures of a checkpoint, shown by `inspect-checkpoint --stats`:
-    residual RMS per layer, SwiGLU clamp rate, tokens per expert, logits std, NaN/inf count.
+def model_health_stats(path: Path) -> dict[str, Any]:
+    """Model-based health figures of a checkpoint, shown by `inspect-checkpoint --stats`: residual
+    RMS per layer, SwiGLU clamp rate, tokens per expert, logits std, non-finite logits (one
+    172-token prefill of the eager golden model; see `dsneuron.graphs.golden.health_stats`)."""
+    from .golden import Golden, health_stats  # golden imports this module
 
-    Not wired yet (the lead connects graphs/model.py here); returns None, which the report shows
-    as "not available".
-    """
-    return None
+    cfg = read_checkpoint_config(path)
+    return health_stats(Golden(cfg, path, max_seq_len=256))
 
 
 def inspect_checkpoint(path: Path, stats: bool = False, console: Console | None = None) -> None:
@@ -601,8 +601,6 @@ def inspect_checkpoint(path: Path, stats: bool = False, console: Console | None 
     for fam, v in checkpoint_weight_stats(path).items():
         st.add_row(fam, f"{int(v['count']):,}", f"{v['mean']:+.4f}", f"{v['std']:.4f}", f"{v['amax']:.4f}")
     console.print(st)
-    health = model_health_stats(path)
-    if health is None:
-        console.print("model statistics: not available (model_health_stats is not wired yet)")
-    else:
-        console.print(health)
+    console.print("model statistics (eager golden, one prefill):")
+    for key, value in model_health_stats(path).items():
+        console.print(f"  {key}: {value}", highlight=False, soft_wrap=True)

@@ -74,3 +74,31 @@ class Golden:
             logits, state = decode(self.model, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, cap, routed=True)
             out.append(StepRecord(logits[0], cap.tensors if cap else None))
         return out
+
+
+@torch.inference_mode()
+def health_stats(golden: Golden, n_tokens: int = 172, seed: int = 0) -> dict[str, object]:
+    """Numeric health of a (random) checkpoint on one prefill of `n_tokens` random token ids:
+    residual RMS after each layer, SwiGLU clamp rate (fraction of up/gate elements the clamp
+    changes, routed and shared experts), tokens per expert per layer, logits std and the count of
+    non-finite logits. Used by `dsneuron inspect-checkpoint --stats`."""
+    cfg = golden.cfg
+    ids = torch.randint(0, min(cfg.vocab_size, 128000), (n_tokens,), generator=torch.Generator().manual_seed(seed))
+    rec = golden.teacher_forced(ids.tolist(), n_tokens, capture=True)[0]
+    cap = rec.capture
+    rms, usage, fired, total = [], [], 0, 0
+    lim = cfg.swiglu_limit
+    for i, layer in enumerate(golden.model.layers):
+        rms.append(round(cap[f"layers.{i}.out"].float().square().mean().sqrt().item(), 4))
+        idx = cap[f"layers.{i}.ffn.gate.indices"]
+        usage.append(torch.bincount(idx.flatten(), minlength=layer.ffn.n_experts).tolist())
+        x = cap[f"layers.{i}.ffn.in"].reshape(-1, cfg.dim)
+        pairs = [(layer.ffn.shared_experts, x)] + [(layer.ffn.experts[e], x[(idx == e).any(-1)]) for e in range(layer.ffn.n_experts)]
+        for expert, rows in pairs:
+            if rows.numel():
+                gate, up = expert.w1(rows).float(), expert.w3(rows).float()
+                fired += int((up.abs() > lim).sum() + (gate > lim).sum())
+                total += 2 * up.numel()
+    return {"tokens": n_tokens, "residual_rms_per_layer": rms, "swiglu_clamp_rate": round(fired / max(total, 1), 5),
+            "tokens_per_expert": usage, "logits_std": round(rec.logits.std().item(), 4),
+            "nonfinite_logits": int((~torch.isfinite(rec.logits)).sum())}

@@ -284,3 +284,16 @@ def test_tiny_logits_finite_with_a_healthy_spread(tmp_path_factory):
         for r in rec:
             assert torch.isfinite(r.logits).all()
             assert 0.3 < r.logits.std().item() < 5.0
+
+
+def test_random_checkpoint_is_numerically_healthy(golden):
+    """The random checkpoint exercises every path: residual RMS grows smoothly, every expert is
+    used, the SwiGLU clamp fires on roughly 1% of elements, logits have std near 1."""
+    from dsneuron.graphs.golden import health_stats
+
+    h = health_stats(golden, n_tokens=64)
+    rms = h["residual_rms_per_layer"]
+    assert all(0.5 < b / a < 2.0 for a, b in zip(rms, rms[1:])), rms
+    assert all(min(u) > 0 for u in h["tokens_per_expert"]), h["tokens_per_expert"]
+    assert 0.001 < h["swiglu_clamp_rate"] < 0.05, h["swiglu_clamp_rate"]
+    assert 0.5 < h["logits_std"] < 2.0 and h["nonfinite_logits"] == 0
