@@ -297,3 +297,21 @@ def test_random_checkpoint_is_numerically_healthy(golden):
     assert all(min(u) > 0 for u in h["tokens_per_expert"]), h["tokens_per_expert"]
     assert 0.001 < h["swiglu_clamp_rate"] < 0.05, h["swiglu_clamp_rate"]
     assert 0.5 < h["logits_std"] < 2.0 and h["nonfinite_logits"] == 0
+
+
+@pytest.mark.parametrize("kind", ["decode", pytest.param("prefill", marks=pytest.mark.slow)])
+def test_steps_export_at_fixed_shapes_with_single_custom_op_nodes(golden, kind):
+    """torch.export traces each step without data-dependent control flow; the hot spots stay one
+    custom-op node each and the exported program computes what the eager step computes."""
+    from dsneuron.graphs.steps import DecodeStep, PrefillStep
+
+    mod = DecodeStep(golden.model, 1) if kind == "decode" else PrefillStep(golden.model, 1, 16)
+    inputs = mod.example_inputs()
+    ep = torch.export.export(mod, inputs, strict=False)
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    n_attn = sum(t.startswith("dsneuron.sparse_attn") for t in targets)
+    n_index = sum(t.startswith("dsneuron.mqa_logits_bf16") for t in targets)
+    cfg = golden.cfg
+    assert n_attn == cfg.n_layers and n_index == len(cfg.index_source_layers)
+    for a, b in zip(ep.module()(*inputs), mod(*inputs)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
