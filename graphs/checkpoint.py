@@ -602,5 +602,9 @@ def inspect_checkpoint(path: Path, stats: bool = False, console: Console | None 
         st.add_row(fam, f"{int(v['count']):,}", f"{v['mean']:+.4f}", f"{v['std']:.4f}", f"{v['amax']:.4f}")
     console.print(st)
     console.print("model statistics (eager golden, one prefill):")
-    for key, value in model_health_stats(path).items():
+    health = model_health_stats(path)
+    for key, value in health.items():
         console.print(f"  {key}: {value}", highlight=False, soft_wrap=True)
+    if health["nonfinite_logits"]:
+        raise CheckpointError(f"{path}: the model gives {health['nonfinite_logits']} non-finite logits "
+                              "(NaN/inf in the weights); the limit is 0")
