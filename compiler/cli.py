@@ -44,6 +44,80 @@ def inspect_checkpoint_cmd(
     inspect_checkpoint(path, stats=stats, console=console)
 
 
+@app.command("compile")
+def compile_cmd(
+    config: str = typer.Option(..., "--config", help="config JSON path or packaged name (tiny, micro)"),
+    out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
+    target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing bundle (kept intact until the new one is complete)"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
+) -> None:
+    """Compile every bucket of a config into a self-contained bundle."""
+    from dsneuron.compiler import compile as pipeline
+    from dsneuron.compiler.config import load_config
+    from dsneuron.runtime_min.bundle import check_target
+
+    check_target(target)  # fail fast, before reading anything
+    model_cfg, compile_cfg, _ = load_config(config)
+    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg)
+    pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
+                            console=console)
+
+
+@app.command("run")
+def run_cmd(
+    bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
+    prompt: str = typer.Option(..., "--prompt", help="prompt text"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most (stops earlier at EOS)"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler"),
+) -> None:
+    """Verify a bundle, generate from a prompt and stream the text to stdout."""
+    from dsneuron.runtime_min.session import Session
+
+    session = Session.load(bundle)
+
+    def emit(_row: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=emit)
+    sys.stdout.write("\n")
+
+
+@app.command("inspect")
+def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> None:
+    """Print a bundle's target, versions, buckets and file sizes, then verify it (exit 2 on a problem)."""
+    from rich.table import Table
+
+    from dsneuron.runtime_min.bundle import open_bundle
+    from dsneuron.runtime_min.schema import MANIFEST, BundleError, Manifest
+
+    root = Path(bundle)
+    if not (root / MANIFEST).is_file():
+        raise BundleError(f"{root} is not a bundle: {MANIFEST} is missing")
+    m = Manifest.from_json((root / MANIFEST).read_text())
+    tc = m.toolchain
+    console.print(f"[bold]{root}[/]  schema {m.schema_version}, target [bold]{m.target}[/], {m.created_by}")
+    console.print(f"toolchain: python {tc.get('python')}, torch {tc.get('torch')}, {tc.get('machine')}, "
+                  f"cpu isa {' '.join(tc.get('cpu_isa') or []) or '-'}")
+    console.print(f"compiler: {m.compiler.get('backend')} flags {m.compiler.get('flags')}; custom ops {m.compiler.get('custom_ops')}")
+    sizes = {rel: meta["size"] for rel, meta in m.files.items()}
+    table = Table("kind", "batch", "seq_len", "capacity", "MiB", title="buckets")
+    table.add_column("file", no_wrap=True)
+    for b in m.buckets:
+        table.add_row(b.kind, str(b.batch), str(b.seq_len), str(b.capacity), f"{sizes.get(b.file, 0) / 2**20:.2f}", b.file)
+    console.print(table)
+    exe = sum(sizes.get(b.file, 0) for b in m.buckets)
+    n_weights = len({n for b in m.buckets for n in b.weights})
+    console.print(f"weights {n_weights} tensors, {sizes.get(m.weights_file, 0) / 2**20:.1f} MiB; executables {exe / 2**20:.1f} MiB; "
+                  f"total {sum(sizes.values()) / 2**20:.1f} MiB; state tensors {len(m.state)}; "
+                  f"engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
+    open_bundle(root)
+    console.print("verified: schema, target, toolchain and every checksum OK")
+
+
 def main() -> None:
     """Console-script entry point: run the typer app, mapping UserError to exit code 2."""
     try:
@@ -56,16 +130,16 @@ def main() -> None:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:
+        # usage errors of the click bundled with typer (missing option, bad value, unknown command)
+        # carry their own message and exit code; typer vendors click, so duck-type rather than import
+        if type(e).__name__ == "Abort":
             sys.exit(130)
+        show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
+        if callable(show) and isinstance(code, int):
+            show()
+            sys.exit(2 if code else 0)
         raise
-
 
 if __name__ == "__main__":
     main()

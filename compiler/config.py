@@ -25,7 +25,8 @@ class CompileConfig:
     batch_sizes: batch dimension of every bucket.
     prefill_seq_lens: prefill bucket lengths; [] means generated (powers of two from 128 up to
         max_seq_len, plus max_seq_len).
-    decode_context_lens: decode bucket context capacities (<= max_seq_len).
+    decode_context_lens: decode bucket context capacities (<= max_seq_len); [] means generated like
+        prefill_seq_lens. compiler/buckets.py validates both lists against the kernel constraints.
     checkpoint: a checkpoint folder; null makes the deterministic random one with `seed`.
     """
 
@@ -66,8 +67,6 @@ class CompileConfig:
             vals = getattr(cfg, key)
             if vals and (min(vals) <= 0 or max(vals) > cfg.max_seq_len):
                 raise ConfigError(f"{where}.{key}: entries must be in 1..max_seq_len={cfg.max_seq_len} (got {list(vals)})")
-        if not cfg.decode_context_lens:
-            raise ConfigError(f"{where}.decode_context_lens: needs at least one context capacity")
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

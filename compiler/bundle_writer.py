@@ -1,0 +1,154 @@
+"""Atomic bundle writing: build the whole bundle in a temporary sibling folder, then rename it into place.
+
+- The output folder must not exist, unless `force`; with `force` the old bundle stays in place,
+  untouched, until the new one is complete, and is then swapped out (SIGINT is held back during the
+  two renames, so Ctrl-C cannot separate them).
+- A folder that holds only placeholder files (`README.md`, `.gitignore`, `.gitkeep`; the repository
+  tracks `artifacts/README.md`) counts as empty; those files are carried into the new bundle, unlisted.
+  A non-empty folder that is not a bundle (no manifest.json) is never replaced, even with `force`.
+- An exception or KeyboardInterrupt before `commit` removes the temporary folder; temporary folders of
+  processes that died (SIGKILL) are removed by the next writer of the same output.
+- manifest.json is written last, with the sha256 and size of every other file; runtime_min refuses
+  any folder without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dsneuron import UserError
+from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
+
+from .cache import file_sha256
+
+PLACEHOLDERS = frozenset({"README.md", ".gitignore", ".gitkeep"})
+
+
+class OutputExistsError(UserError):
+    """The output folder exists (and --force was not given, or it is not a bundle)."""
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Raise OutputExistsError unless `out` may be written (module docstring). Called before any work."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(f"output {out} exists and is not a folder; choose another --out")
+    entries = {p.name for p in out.iterdir()}
+    if entries <= PLACEHOLDERS:
+        return
+    if MANIFEST not in entries:
+        raise OutputExistsError(f"output folder {out} exists and is not a dsneuron bundle (no {MANIFEST}); "
+                                "refusing to replace it, even with --force; choose another --out")
+    if not force:
+        raise OutputExistsError(f"output folder {out} already holds a bundle; pass --force to replace it "
+                                "(the old bundle stays intact until the new one is complete)")
+
+
+class BundleWriter:
+    """Context manager: files go into `self.tmp`; `commit(manifest)` finishes and renames into `out`."""
+
+    def __init__(self, out: Path, force: bool):
+        self.out = Path(out).absolute()
+        self.force = force
+        self.tmp: Path | None = None
+        self.committed = False
+
+    def __enter__(self) -> "BundleWriter":
+        check_output(self.out, self.force)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_leftovers(self.out)
+        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.tmp.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed and self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def path(self, rel: str) -> Path:
+        """Absolute path of bundle-relative `rel` inside the temporary folder (parents created)."""
+        assert self.tmp is not None, "use BundleWriter as a context manager"
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def copy_in(self, src: Path, rel: str) -> None:
+        shutil.copyfile(src, self.path(rel))
+
+    def write_weights(self, weights: dict[str, torch.Tensor], rel: str = WEIGHTS) -> None:
+        """weights.safetensors (no pickle); tensors must be contiguous and must not share storage."""
+        save_file(weights, str(self.path(rel)))
+
+    def commit(self, manifest: Manifest) -> Path:
+        """Checksum every file, write manifest.json, then move the bundle into place. Returns `out`."""
+        assert self.tmp is not None
+        files = {}
+        for p in sorted(self.tmp.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(self.tmp).as_posix()
+                files[rel] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+        manifest = dataclasses.replace(manifest, files=files)
+        (self.tmp / MANIFEST).write_text(manifest.to_json())
+        check_output(self.out, self.force)  # the folder may have appeared while we compiled
+        old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        keep = [p for p in self.out.iterdir() if p.name in PLACEHOLDERS] if self.out.is_dir() else []
+        for p in keep:
+            shutil.copy2(p, self.tmp / p.name)
+        _swap(self.tmp, self.out, old)
+        self.committed = True
+        shutil.rmtree(old, ignore_errors=True)
+        return self.out
+
+
+def _swap(new: Path, out: Path, old: Path) -> None:
+    """Move `out` (if any) to `old` and `new` to `out`, with SIGINT held back in between."""
+    blocked = hasattr(signal, "pthread_sigmask")
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        had_old = out.exists()
+        if had_old:
+            os.rename(out, old)
+        try:
+            os.rename(new, out)
+        except BaseException:
+            if had_old:
+                os.rename(old, out)
+            raise
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _remove_dead_leftovers(out: Path) -> None:
+    """Remove temporary/old siblings of `out` left by processes that no longer run; an old bundle
+    whose swap was cut short (by SIGKILL) is put back when `out` is missing."""
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    for p in out.parent.iterdir():
+        m = pattern.match(p.name)
+        if not m or _alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not out.exists():
+            os.rename(p, out)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

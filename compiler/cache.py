@@ -1,0 +1,205 @@
+"""The compile cache: one compiled executable per key, shared by every bundle built on this host.
+
+Key = sha256 over (a) the normalised lowered graph: one line per node with its op, target, argument
+names/literals and output shape/dtype/stride, plus the graph signature and a digest of every
+embedded constant; stack traces, source paths and line numbers live only in node metadata and never
+enter it, so two checkouts in different folders give the same key; (b) the backend flags, normalised
+so that order and whitespace do not matter; (c) toolchain versions (python, torch, machine, cpu ISA
+extensions); (d) the target and the backend name.
+
+Layout under the root (default ~/.cache/dsneuron, env DSNEURON_CACHE_DIR, or --cache-dir):
+    entries/<key>/<artifact>   the executable
+    entries/<key>/COMPLETE     completion marker: JSON with the artifact's name, size and sha256
+An entry is written in a private temporary folder and renamed into place in one step; a folder
+without its marker, or whose artifact does not match the marker, is not an entry (a miss). Two
+processes compiling the same key both succeed: the first rename wins, the second discards its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV_VAR = "DSNEURON_CACHE_DIR"
+MARKER = "COMPLETE"
+_KEY_FORMAT = 1  # bump when the key's ingredients change
+
+
+def default_cache_dir() -> Path:
+    """$DSNEURON_CACHE_DIR if set, else ~/.cache/dsneuron."""
+    env = os.environ.get(ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsneuron"
+
+
+def normalise_flags(flags: dict[str, Any] | str | list[str]) -> list[str]:
+    """Backend flags in canonical form: one "name value" string per flag, sorted.
+
+    A dict (Inductor config) gives "key=json(value)". A command-line string or token list (neuronx-cc)
+    is split shell-style; a token starting with "-" opens a flag and following non-flag tokens are
+    its value ("--lnc 2", "--lnc=2" and "--lnc  2" agree); a repeated flag keeps its last value, as
+    compilers read them. Sorting makes the order irrelevant.
+    """
+    if isinstance(flags, dict):
+        return sorted(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in flags.items())
+    tokens = shlex.split(flags) if isinstance(flags, str) else [t for f in flags for t in shlex.split(f)]
+    groups: dict[str, list[str]] = {}
+    current: str | None = None
+    for tok in tokens:
+        if tok.startswith("-"):
+            name, eq, value = tok.partition("=")
+            current = name
+            groups[name] = [value] if eq else []
+        elif current is None:
+            groups.setdefault("", []).append(tok)
+        else:
+            groups[current].append(tok)
+    return sorted(" ".join([name, *vals]).strip() for name, vals in groups.items())
+
+
+def normalised_graph(program: torch.export.ExportedProgram) -> str:
+    """The graph as text without any source location (see the module docstring)."""
+    sig = program.graph_signature
+    lines = [f"signature {spec.kind.name} {_arg_name(spec.arg)} {spec.target}" for spec in sig.input_specs]
+    lines += [f"output {spec.kind.name} {_arg_name(spec.arg)}" for spec in sig.output_specs]
+    used = {n.name for n in program.graph.nodes if n.op == "placeholder" and n.users}
+    values = {**program.state_dict, **program.constants}
+    for spec in sig.input_specs:
+        if spec.kind.name in ("BUFFER", "CONSTANT_TENSOR") and _arg_name(spec.arg) in used:
+            value = values.get(spec.target)
+            lines.append(f"constant {spec.target} " + (_tensor_digest(value) if isinstance(value, torch.Tensor) else repr(type(value))))
+    lines += _graph_lines(program.graph_module, "")
+    return "\n".join(lines)
+
+
+def _graph_lines(gm: torch.fx.GraphModule, prefix: str) -> list[str]:
+    """One line per node; subgraphs of higher-order ops (get_attr of a GraphModule) are inlined."""
+    lines = []
+    for node in gm.graph.nodes:
+        lines.append(f"{prefix}{node.op} {node.name} {_target(node.target)} {_fmt(node.args)} {_fmt(node.kwargs)} :: {_meta(node)}")
+        if node.op == "get_attr":
+            sub = getattr(gm, str(node.target), None)
+            if isinstance(sub, torch.fx.GraphModule):
+                lines += _graph_lines(sub, prefix + "  ")
+            elif isinstance(sub, torch.Tensor):
+                lines.append(f"{prefix}  = {_tensor_digest(sub)}")
+    return lines
+
+
+def cache_key(graph_text: str, flags: dict[str, Any] | str | list[str], toolchain: dict[str, Any], target: str, backend: str) -> str:
+    """sha256 hex of the key ingredients (module docstring)."""
+    body = json.dumps({"format": _KEY_FORMAT, "graph": graph_text, "flags": normalise_flags(flags),
+                       "toolchain": toolchain, "target": target, "backend": backend}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CompileCache:
+    """get/put of compiled artifacts by key under `root` (created on first put)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.hits = 0
+        self.misses = 0
+
+    def _entry(self, key: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError(f"cache key must be a sha256 hex digest, got {key!r}")
+        return self.root / "entries" / key
+
+    def get(self, key: str) -> Path | None:
+        """The cached artifact of `key`, or None. Counts a hit or a miss; an entry whose marker is
+        missing or does not match its artifact is a miss."""
+        entry = self._entry(key)
+        try:
+            marker = json.loads((entry / MARKER).read_text())
+            artifact = entry / marker["artifact"]
+            ok = artifact.is_file() and artifact.stat().st_size == marker["size"] and file_sha256(artifact) == marker["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            self.hits += 1
+            return artifact
+        self.misses += 1
+        return None
+
+    def put(self, key: str, artifact: Path) -> Path:
+        """Copy `artifact` into the entry of `key` atomically; returns the cached path (the one a
+        concurrent writer put there first, if it won the race)."""
+        entry = self._entry(key)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.{uuid.uuid4().hex[:8]}.", dir=entry.parent))
+        try:
+            shutil.copyfile(artifact, tmp / artifact.name)
+            marker = {"artifact": artifact.name, "size": (tmp / artifact.name).stat().st_size,
+                      "sha256": file_sha256(tmp / artifact.name)}
+            (tmp / MARKER).write_text(json.dumps(marker))
+            if entry.exists() and not (entry / MARKER).is_file():
+                shutil.rmtree(entry, ignore_errors=True)  # a leftover without marker is no entry
+            try:
+                os.rename(tmp, entry)
+            except OSError:  # another process renamed its complete entry first
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return entry / json.loads((entry / MARKER).read_text())["artifact"]
+
+
+def _arg_name(arg: Any) -> str:
+    return getattr(arg, "name", repr(arg))
+
+
+def _target(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_fmt(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{_tensor_digest(value)}"
+    return repr(value)
+
+
+def _meta(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    parts = []
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{v.dtype} {tuple(v.shape)} {tuple(v.stride())}")
+        else:
+            parts.append(type(v).__name__)
+    return "; ".join(parts)
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
+    h = hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:32]
+    return f"<{t.dtype} {tuple(t.shape)} {h}>"

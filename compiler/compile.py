@@ -1,0 +1,209 @@
+"""The compile pipeline: config + model -> bucket plan -> export -> lower -> backend (cached) -> bundle.
+
+`compile_bundle` is the whole job behind `dsneuron compile`; `build_steps_for_config` is the one
+place where the real model is wired in (tests pass a stand-in StepFactory instead).
+
+Order of work, so that bad input fails before anything expensive: target availability, bucket plan
+(kernel constraints), output folder, weights and tokenizer inputs; then per bucket: export, lower,
+cache lookup, compile on a miss; then the weights file, tokenizer copies, manifest, atomic rename.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+import dsneuron
+from dsneuron.graphs.config import ConfigError, ModelConfig
+from dsneuron.runtime_min.bundle import check_target, host_toolchain
+from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, Manifest, StateEntry, Tokenizer,
+                                         bucket_file, dtype_name)
+
+from . import backend_cpu
+from .buckets import BucketPlan, plan_buckets
+from .bundle_writer import BundleWriter, check_output
+from .cache import CompileCache, cache_key, default_cache_dir, normalised_graph
+from .config import CompileConfig
+from .export import CompileError, StepFactory, StepGraph, export_step
+from .lower import lower
+
+__all__ = ["ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle"]
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Everything the pipeline needs from the model side.
+
+    steps: builds the step graph of each bucket (graphs.steps for the real model);
+    weights: {name: tensor} stored in weights.safetensors; the steps' parameters must be these tensors;
+    tokenizer_files: files copied into the bundle's tokenizer/ (tokenizer.json first);
+    host_params: JSON-serialisable host-side preprocessing data, e.g. {"engram": params or None};
+    stored_dtypes: {weight name: dtype} to store narrower than the model holds it (a bf16 checkpoint
+        tensor promoted to fp32 at load, graphs.weights.load_casts); the cast back must be exact,
+        and the runtime re-applies the promotion (Manifest.load_casts).
+    """
+
+    steps: StepFactory
+    weights: dict[str, torch.Tensor]
+    tokenizer_files: Sequence[Path]
+    host_params: dict[str, Any]
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+
+def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig) -> ModelParts:
+    """THE place where the real model is wired: load or make the checkpoint (compile.checkpoint, or
+    the deterministic one from compile.seed when null), build the graphs.steps modules over shared
+    weights, and return them with the tokenizer files (graphs.tokenizer.tokenizer_files()) and the
+    engram hashing parameters."""
+    raise NotImplementedError("model not wired yet")
+
+
+def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
+                   target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
+                   flags: dict[str, Any] | None = None, console: Console | None = None) -> Path:
+    """Compile every bucket of the plan and write the bundle atomically into `out`; returns `out`.
+
+    flags: backend option overrides (Inductor config keys on cpu), part of every cache key.
+    cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
+    Raises ConfigError (bad plan), BundleError (target unavailable), OutputExistsError (out exists
+    without force), CompileError (model wiring), and lets KeyboardInterrupt through after removing
+    the partial bundle; the old bundle in `out` is untouched by any failure.
+    """
+    console = console or Console(stderr=True)
+    check_target(target)
+    if target != "cpu":
+        raise ConfigError(f"--target {target}: the neuron backend is not part of this build yet (issue 8); use --target cpu")
+    plan = plan_buckets(compile_cfg, model_cfg)
+    out = Path(out)
+    check_output(out, force)
+    _check_weights(parts.weights)
+    stored, load_casts = _stored_weights(parts.weights, parts.stored_dtypes)
+    tok_files = [Path(p) for p in parts.tokenizer_files]
+    if not tok_files or tok_files[0].name != "tokenizer.json" or not all(p.is_file() for p in tok_files):
+        raise ConfigError(f"tokenizer files {[str(p) for p in tok_files]}: need an existing tokenizer.json first")
+    try:
+        json.dumps(parts.host_params, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CompileError(f"host preprocessing parameters are not plain JSON data ({e})") from None
+
+    flags = backend_cpu.effective_flags(flags)
+    toolchain = host_toolchain()
+    cache = CompileCache(cache_dir if cache_dir is not None else default_cache_dir())
+    state = _state_entries(parts.steps, plan)
+    buckets: list[Bucket] = []
+    custom_ops: dict[str, str] = {}
+    weight_views: dict[str, str] = {}
+    with BundleWriter(out, force) as writer, _progress(console) as progress:
+        tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
+        for pb in plan.buckets:
+            task = tasks[pb]
+            t0 = time.perf_counter()
+            progress.update(task, status="exporting")
+            graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
+                else parts.steps.decode(pb.batch, pb.capacity)
+            exported = export_step(graph, parts.weights, pb.label, backend_cpu.INPUT_VIEWS)
+            weight_views.update({n: dtype_name(d) for n, d in exported.views.items()})
+            progress.update(task, status="lowering")
+            program, modes = lower(exported.program, target, pb.label)
+            custom_ops.update(modes)
+            key = cache_key(normalised_graph(program), flags, toolchain, target, backend_cpu.BACKEND)
+            rel = bucket_file(pb.kind, pb.batch, pb.length, target)
+            cached = cache.get(key)
+            if cached is None:
+                progress.update(task, status="compiling")
+                backend_cpu.compile_cpu(program, writer.path(rel), flags)
+                cache.put(key, writer.path(rel))
+                how = "compiled"
+            else:
+                writer.copy_in(cached, rel)
+                how = "cached"
+            buckets.append(Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=rel,
+                                  weights=exported.weights, inputs=exported.inputs, outputs=exported.outputs,
+                                  cache_key=key))
+            progress.update(task, status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
+        used = {n for b in buckets for n in b.weights}
+        writer.write_weights({n: t for n, t in stored.items() if n in used})
+        for p in tok_files:
+            writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")
+        manifest = Manifest(
+            target=target, toolchain=toolchain,
+            compiler={"backend": backend_cpu.BACKEND, "flags": flags, "custom_ops": dict(sorted(custom_ops.items()))},
+            model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
+            tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
+                                bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
+                                pad_token_id=model_cfg.eos_token_id, add_bos=True),
+            host_preprocessing=dict(parts.host_params), state=state, buckets=tuple(buckets), files={},
+            weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
+            load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())))
+        path = writer.commit(manifest)
+    console.print(f"bundle written to {path} ({cache.misses} compiled, {cache.hits} from the cache at {cache.root})")
+    return path
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description:<18}"), TextColumn("{task.fields[status]}"),
+                    TimeElapsedColumn(), console=console, transient=False)
+
+
+def _check_weights(weights: dict[str, torch.Tensor]) -> None:
+    """Weights must be contiguous and not alias each other (safetensors stores each exactly once)."""
+    seen: dict[tuple[int, int], str] = {}
+    for name, t in weights.items():
+        if not t.is_contiguous():
+            raise CompileError(f"weight {name}: not contiguous; the bundle stores and passes weights contiguous")
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and key in seen:
+            raise CompileError(f"weight {name}: shares storage with {seen[key]}; pass tied weights once")
+        seen[key] = name
+
+
+def _stored_weights(weights: dict[str, torch.Tensor], stored_dtypes: dict[str, torch.dtype]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors to write, {name: dtype name the runtime casts back to}); raises CompileError when a
+    narrowing is not exact (the stored bytes must reproduce the model's tensor)."""
+    unknown = sorted(set(stored_dtypes) - set(weights))
+    if unknown:
+        raise CompileError(f"stored_dtypes names {unknown[0]!r}, which is not a weight")
+    stored, casts = {}, {}
+    for name, t in weights.items():
+        want = stored_dtypes.get(name, t.dtype)
+        if want == t.dtype:
+            stored[name] = t
+            continue
+        narrow = t.to(want)
+        if not torch.equal(narrow.to(t.dtype), t):
+            raise CompileError(f"weight {name}: storing {dtype_name(t.dtype)} as {dtype_name(want)} is not exact")
+        stored[name], casts[name] = narrow, dtype_name(t.dtype)
+    return stored, casts
+
+
+def _state_entries(steps: StepFactory, plan: BucketPlan) -> tuple[StateEntry, ...]:
+    """The state layout with fill values, from init_state at the smallest bucket; every state tensor
+    must be one constant (the runtime rebuilds it from the manifest) and keep its name, dtype and
+    order at every capacity."""
+    def at(capacity: int) -> dict[str, torch.Tensor]:
+        return steps.init_state(plan.batch_sizes[0], capacity)
+
+    first = at(plan.decode_capacities[0])
+    entries = []
+    for name, t in first.items():
+        flat = t.reshape(-1)
+        if flat.numel() and not bool((flat == flat[0]).all()):  # NaN fails too: it equals nothing
+            raise CompileError(f"state {name}: init_state is not one constant (non-NaN) value; the runtime "
+                               "re-creates states from a fill value per tensor")
+        fill = float(flat[0]) if flat.numel() else 0.0
+        entries.append(StateEntry(name, dtype_name(t.dtype), fill))
+    for c in plan.decode_capacities[1:]:
+        other = at(c)
+        if [(n, t.dtype) for n, t in other.items()] != [(n, t.dtype) for n, t in first.items()]:
+            raise CompileError(f"init_state at capacity {c}: state names, order or dtypes differ from capacity "
+                               f"{plan.decode_capacities[0]}")
+    return tuple(entries)
+

@@ -1,0 +1,139 @@
+"""torch.export of one bucket's step module, with the weights turned into ordinary graph inputs.
+
+Calling convention (runtime_min/schema.py): the executable takes the weights it uses first, named
+as in the bundle's weights.safetensors, then the step's data and state inputs. Weights are never
+baked into an executable, so one weights file serves every bucket and a weight change needs no
+recompile. The step module's parameters (and any buffer that is also a weight) are matched to the
+`weights` dict by storage identity and swapped in with `torch.func.functional_call`; buffers that
+are not weights (e.g. RoPE tables) stay graph constants and are embedded in the executable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dsneuron.runtime_min.schema import TensorSpec, dtype_name
+
+
+class CompileError(Exception):
+    """The compiler cannot build a bucket from what the model side handed it (a wiring bug, not bad
+    user input): the message names the bucket and the offending parameter, output or op."""
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """One step module at one bucket, as the model side hands it to the compiler.
+
+    module: an nn.Module whose parameters are the shared weight tensors;
+    inputs: ((name, example tensor), ...) in call order: the data inputs ("tokens", then "valid_len"
+        for prefill or "pos" for decode, then "engram_ids"), then any state inputs by state name;
+        the examples fix the bucket's static shapes and dtypes;
+    outputs: ("logits", *state names in state-layout order), naming what forward returns.
+    """
+
+    module: nn.Module
+    inputs: tuple[tuple[str, torch.Tensor], ...]
+    outputs: tuple[str, ...]
+
+
+class StepFactory(Protocol):
+    """What the compiler needs from a model: step graphs per bucket and the initial state.
+
+    init_state(batch, capacity) -> {state name: tensor}, ordered as the state layout; each tensor
+    must be one constant value (the runtime re-creates it from the manifest's fill values).
+    """
+
+    def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph: ...
+
+    def decode(self, batch: int, capacity: int) -> StepGraph: ...
+
+    def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class ExportedStep:
+    """program: the exported graph (inputs: weights, then data+state); weights: weight names in input
+    order; inputs: specs of the data+state inputs; outputs: specs of the outputs ("logits", state...);
+    views: {weight name: dtype} of weights passed reinterpreted (see `export_step`)."""
+
+    program: torch.export.ExportedProgram
+    weights: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    views: dict[str, torch.dtype]
+
+
+class _WeightsAsInputs(nn.Module):
+    """forward(*weights, *inputs) = step(*inputs) with the step's weight tensors replaced by the
+    leading arguments (`groups[i]` lists the step's attribute paths bound to weight i; an argument
+    passed as a bitcast view is viewed back to `dtypes[i]` first)."""
+
+    def __init__(self, step: nn.Module, groups: list[list[str]], dtypes: list[torch.dtype | None]):
+        super().__init__()
+        self.step, self.groups, self.dtypes = step, groups, dtypes
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(self.groups)
+        w = [a if d is None else a.view(d) for a, d in zip(args[:n], self.dtypes)]
+        bound = {path: w[i] for i, paths in enumerate(self.groups) for path in paths}
+        out = torch.func.functional_call(self.step, bound, args[n:], tie_weights=False, strict=False)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str) -> tuple[tuple[str, ...], list[list[str]]]:
+    """Match the step's parameters and buffers to `weights` by storage.
+
+    Returns (weight names in input order = the order of `weights`, attribute paths per weight).
+    Raises CompileError naming the first parameter that is not one of the weights.
+    """
+    by_storage = {_storage_key(t): name for name, t in weights.items()}
+    paths: dict[str, list[str]] = {}
+    for path, p in step.named_parameters(remove_duplicate=False):
+        name = by_storage.get(_storage_key(p))
+        if name is None:
+            raise CompileError(f"{what}: parameter {path!r} {tuple(p.shape)} {dtype_name(p.dtype)} is not one of the "
+                               "weights passed to the compiler (step modules must hold the weight tensors themselves)")
+        paths.setdefault(name, []).append(path)
+    for path, b in step.named_buffers(remove_duplicate=False):
+        name = by_storage.get(_storage_key(b))
+        if name is not None:
+            paths.setdefault(name, []).append(path)
+    order = tuple(n for n in weights if n in paths)
+    return order, [paths[n] for n in order]
+
+
+def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
+                input_views: dict[torch.dtype, torch.dtype] | None = None) -> ExportedStep:
+    """Export `graph.module` at the static shapes of `graph.inputs` (non-strict torch.export).
+
+    what: a label for messages, e.g. "prefill b1 s128".
+    input_views: {dtype: same-width dtype} for weight dtypes the backend cannot take as inputs
+        (Inductor's cpu codegen has no float8_e8m0fnu): such a weight is passed as a bitcast view
+        (zero-copy) and viewed back inside the graph.
+    Raises CompileError when a parameter is not a weight or the outputs do not match `graph.outputs`.
+    """
+    input_views = input_views or {}
+    names, groups = bind_weights(graph.module, weights, what)
+    originals = [weights[n].dtype for n in names]
+    dtypes = [d if d in input_views else None for d in originals]
+    wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
+    args = tuple(weights[n].view(input_views[d]) if d in input_views else weights[n] for n, d in zip(names, originals))
+    args += tuple(t for _, t in graph.inputs)
+    with torch.no_grad():
+        program = torch.export.export(wrapper, args, strict=False)
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    vals = [a.meta["val"] for a in out_node.args[0]]
+    if len(vals) != len(graph.outputs):
+        raise CompileError(f"{what}: the step returns {len(vals)} tensors but names {len(graph.outputs)} outputs")
+    inputs = tuple(TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in graph.inputs)
+    outputs = tuple(TensorSpec(n, tuple(int(d) for d in v.shape), dtype_name(v.dtype)) for n, v in zip(graph.outputs, vals))
+    views = {n: input_views[d] for n, d in zip(names, originals) if d in input_views}
+    return ExportedStep(program, names, inputs, outputs, views)

@@ -1,0 +1,170 @@
+"""Open a bundle: verify everything before anything runs, then hand out weights and executables.
+
+`open_bundle` checks, in this order, and raises BundleError naming the first problem:
+1. the folder and its manifest.json exist; the manifest's format and schema version are known
+   (checked before any other field is read), and it parses;
+2. the target is available on this host (cpu: always; neuron: the SDK packages import);
+3. the toolchain is compatible (below);
+4. every file the manifest lists exists with the recorded size and sha256, and every file the bundle
+   uses (weights, tokenizer, bucket executables) is listed. Executables are code: none is loaded
+   before all checksums match.
+
+Toolchain compatibility on the cpu target: an AOTInductor package is a shared object linked against
+libtorch, so the torch release (major.minor.patch, the local build tag such as "+cpu" ignored) must
+equal the compiling one; the machine architecture must match; and the host must offer every ISA
+extension the compiling host had, because the generated code is built with -march=native. The
+Python version is recorded but not checked: the executables do not link libpython.
+
+Nothing on this path unpickles: the manifest is JSON, weights are safetensors, the tokenizer is
+JSON, and executables are loaded by the backend's own loader (see executor_cpu.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import platform
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .schema import MANIFEST, TOKENIZER_DIR, BundleError, Manifest, parse_dtype
+
+# Import names of the Neuron SDK; AWS serves them from its own pip index (the PyPI packages of
+# these names are placeholders).
+NEURON_PACKAGES = ("torch_neuronx", "neuronxcc", "nki")
+NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
+TARGETS = ("cpu", "neuron")
+_ISA = re.compile(r"^(sse\w*|ssse3|avx\w*|fma\w*|f16c|bmi\d|amx\w*|asimd\w*|sve\w*|bf16|i8mm|fphp)$")
+
+
+def host_toolchain() -> dict[str, object]:
+    """Versions and CPU features of this host, as the manifest records them."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+            "cpu_isa": cpu_isa()}
+
+
+def cpu_isa() -> list[str]:
+    """Sorted ISA extension flags of this CPU (x86 `flags` / arm `Features` of /proc/cpuinfo; [] elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return sorted({f for f in value.split() if _ISA.match(f)})
+    return []
+
+
+def missing_packages(target: str) -> list[str]:
+    """Import names that `target` needs and this host lacks ([] = available)."""
+    if target == "cpu":
+        return [] if hasattr(torch._C, "_aoti") else ["torch (built with AOTInductor)"]
+    if target == "neuron":
+        return [p for p in NEURON_PACKAGES if importlib.util.find_spec(p) is None]
+    raise BundleError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+
+
+def check_target(target: str) -> None:
+    """Raise BundleError naming the missing packages when `target` cannot run here."""
+    missing = missing_packages(target)
+    if missing:
+        where = f"; they come from the AWS Neuron pip index ({NEURON_INDEX})" if target == "neuron" else ""
+        raise BundleError(f"target {target!r} is not available on this host: missing Python packages "
+                          f"{', '.join(missing)}{where}")
+
+
+def check_toolchain(recorded: dict[str, object], host: dict[str, object] | None = None) -> None:
+    """Raise BundleError when executables built with `recorded` cannot run on `host` (module docstring)."""
+    host = host_toolchain() if host is None else host
+    want, have = _release(str(recorded.get("torch"))), _release(str(host["torch"]))
+    if want != have:
+        raise BundleError(f"bundle was compiled with torch {recorded.get('torch')}, this host has torch {host['torch']}; "
+                          f"AOTInductor executables need the same torch release ({want}): recompile the bundle here")
+    if recorded.get("machine") != host["machine"]:
+        raise BundleError(f"bundle was compiled for machine {recorded.get('machine')!r}, this host is {host['machine']!r}")
+    lacking = sorted(set(recorded.get("cpu_isa") or []) - set(host["cpu_isa"]))  # type: ignore[arg-type]
+    if lacking:
+        raise BundleError(f"this CPU lacks ISA extensions the bundle's executables may use: {', '.join(lacking)} "
+                          "(compiled with -march=native on another CPU); recompile the bundle on this host")
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]
+
+
+def verify_files(root: Path, manifest: Manifest) -> None:
+    """Every listed file matches its size and sha256; every file the bundle uses is listed."""
+    used = [manifest.weights_file, *manifest.tokenizer.files, *(b.file for b in manifest.buckets)]
+    for rel in used:
+        if rel not in manifest.files:
+            raise BundleError(f"{MANIFEST}: {rel} is used by the bundle but has no checksum in the manifest")
+    for rel, meta in manifest.files.items():
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise BundleError(f"{MANIFEST}: file path {rel!r} leaves the bundle folder")
+        path = root / rel
+        if not path.is_file():
+            raise BundleError(f"bundle file {rel} is missing from {root}")
+        size = path.stat().st_size
+        if size != meta["size"]:
+            raise BundleError(f"bundle file {rel} has {size} bytes, the manifest records {meta['size']} (tampered or truncated)")
+        if _sha256(path) != meta["sha256"]:
+            raise BundleError(f"bundle file {rel} does not match its sha256 in the manifest (tampered or corrupted)")
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A verified bundle: its folder and manifest."""
+
+    root: Path
+    manifest: Manifest
+
+    def load_weights(self) -> dict[str, torch.Tensor]:
+        """All tensors of the weights file (safetensors), with the manifest's load casts, then its
+        weight views, applied; the names each bucket uses are checked."""
+        m = self.manifest
+        with safe_open(str(self.root / m.weights_file), framework="pt") as f:
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+        for key, change in (("load_casts", torch.Tensor.to), ("weight_views", torch.Tensor.view)):
+            for name, dtype in getattr(m, key).items():
+                if name not in weights:
+                    raise BundleError(f"{m.weights_file}: has no tensor {name!r}, which manifest {key} names")
+                weights[name] = change(weights[name], parse_dtype(dtype, f"{key}[{name!r}]"))
+        for b in m.buckets:
+            missing = [n for n in b.weights if n not in weights]
+            if missing:
+                raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which {b.file} takes")
+        return weights
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / TOKENIZER_DIR
+
+
+def open_bundle(path: str | Path) -> Bundle:
+    """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem."""
+    root = Path(path).absolute()
+    if not root.is_dir():
+        raise BundleError(f"bundle folder {root} does not exist")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise BundleError(f"{root} is not a bundle: {MANIFEST} is missing (an interrupted compile leaves none)")
+    manifest = Manifest.from_json(mpath.read_text())
+    if manifest.target not in TARGETS:
+        raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
+    check_target(manifest.target)
+    check_toolchain(manifest.toolchain)
+    verify_files(root, manifest)
+    return Bundle(root, manifest)

@@ -1,0 +1,332 @@
+"""The bundle format: THE one definition that the compiler's writer and runtime_min's loader share.
+
+A bundle is a folder:
+
+    manifest.json         this module's `Manifest`, as JSON (written last: a folder without it is not a bundle)
+    weights.safetensors   every weight tensor once; each bucket executable takes the ones it names as inputs
+    tokenizer/            tokenizer.json (+ config files) copied from the compiling host
+    buckets/<kind>_b<batch>_s<len>.<ext>   one executable per bucket (`.pt2` AOTInductor package on cpu)
+
+Evolution rules (ExecuTorch schema/README style): add fields at the end with a default, never remove or
+re-purpose a field, never change a default's meaning. A change an old runtime would misread bumps
+`SCHEMA_VERSION`; the loader checks the version before reading any other field.
+
+Calling convention of every bucket executable (both targets):
+    inputs  = [weights named in `Bucket.weights`, in that order] + `Bucket.inputs` (data, then state)
+    outputs = `Bucket.outputs` = [logits [B, V] float32] + new state, in the order of `Manifest.state`
+Prefill data inputs: tokens [B, S] int64 (right-padded), valid_len [B] int64, engram_ids [B, S, E, C]
+int64. Decode data inputs: tokens [B, 1] int64, pos [B] int64, engram_ids [B, 1, E, C] int64.
+
+State across capacities: a state tensor whose shape depends on the context capacity differs from its
+shape at another capacity in exactly one dimension; rows along it are indexed by position (or by a
+function of position that is monotone), so a state grows to a larger capacity by appending rows filled
+with the tensor's `fill`. Every state tensor starts as `fill` everywhere (`StateEntry.fill`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsneuron import UserError
+
+SCHEMA_VERSION = 1
+FORMAT = "dsneuron-bundle"
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+TOKENIZER_DIR = "tokenizer"
+BUCKETS_DIR = "buckets"
+KINDS = ("prefill", "decode")
+# Executable file extension per target.
+EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
+# Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was
+# traced into aten ops before the backend compile (no Python at run time); "call" = the executable
+# calls the registered op through the dispatcher, so the op's module must be imported before loading.
+LOWERING_MODES = ("inline", "call")
+
+
+class BundleError(UserError):
+    """A bundle cannot be used: missing or tampered file, unknown schema version, unavailable target,
+    incompatible toolchain or malformed manifest. The message names the file or field and the limit."""
+
+
+def bucket_file(kind: str, batch: int, length: int, target: str) -> str:
+    """Bundle-relative path of one bucket executable, e.g. `buckets/prefill_b1_s128.pt2`.
+
+    `length` is the prefill seq_len or the decode context capacity.
+    """
+    return f"{BUCKETS_DIR}/{kind}_b{batch}_s{length}.{EXECUTABLE_EXT[target]}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float8_e4m3fn` -> "float8_e4m3fn" (the manifest spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str, where: str) -> torch.dtype:
+    """Inverse of `dtype_name`; raises BundleError naming `where` for anything that is not a dtype."""
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise BundleError(f"manifest {where}: unknown dtype {name!r}")
+    return value
+
+
+def encode_fill(value: float) -> str:
+    """Fill values travel as strings so that -inf/nan stay strict JSON."""
+    return repr(float(value))
+
+
+def decode_fill(text: str, where: str) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        raise BundleError(f"manifest {where}: fill {text!r} is not a number") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One executable input or output: name, static shape, dtype name (see `dtype_name`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "TensorSpec":
+        r = _obj(raw, where)
+        shape = _get(r, "shape", list, where)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise BundleError(f"manifest {where}.shape: expected a list of non-negative integers, got {shape!r}")
+        spec = cls(_get(r, "name", str, where), tuple(shape), _get(r, "dtype", str, where))
+        parse_dtype(spec.dtype, f"{where}.dtype")
+        return spec
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype, self.name)
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state tensor of the step functions, in state-layout order, with its initial fill value."""
+
+    name: str
+    dtype: str
+    fill: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "fill": encode_fill(self.fill)}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "StateEntry":
+        r = _obj(raw, where)
+        entry = cls(_get(r, "name", str, where), _get(r, "dtype", str, where),
+                    decode_fill(_get(r, "fill", str, where), f"{where}.fill"))
+        parse_dtype(entry.dtype, f"{where}.dtype")
+        return entry
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One compiled executable.
+
+    kind: "prefill" or "decode".
+    batch: batch dimension B.
+    seq_len: tokens per call (prefill: the bucket's S; decode: 1).
+    capacity: context capacity of the state it reads and writes (positions 0..capacity-1).
+    file: bundle-relative path of the executable.
+    weights: names in weights.safetensors passed first, in this order.
+    inputs / outputs: the data+state inputs after the weights, and the outputs (see module docstring).
+    cache_key: the compile-cache key it was built under (sha256 hex), for provenance.
+    """
+
+    kind: str
+    batch: int
+    seq_len: int
+    capacity: int
+    file: str
+    weights: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    cache_key: str
+
+    @property
+    def length(self) -> int:
+        """The length in the file name: seq_len for prefill, capacity for decode."""
+        return self.seq_len if self.kind == "prefill" else self.capacity
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len, "capacity": self.capacity,
+                "file": self.file, "weights": list(self.weights),
+                "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+                "cache_key": self.cache_key}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "Bucket":
+        r = _obj(raw, where)
+        kind = _get(r, "kind", str, where)
+        if kind not in KINDS:
+            raise BundleError(f"manifest {where}.kind: {kind!r} is not one of {', '.join(KINDS)}")
+        ints = {k: _get(r, k, int, where) for k in ("batch", "seq_len", "capacity")}
+        for k, v in ints.items():
+            if v <= 0:
+                raise BundleError(f"manifest {where}.{k}: must be > 0 (got {v})")
+        weights = _get(r, "weights", list, where)
+        if not all(isinstance(w, str) for w in weights):
+            raise BundleError(f"manifest {where}.weights: expected a list of tensor names")
+        return cls(kind=kind, file=_get(r, "file", str, where), weights=tuple(weights),
+                   inputs=tuple(TensorSpec.from_dict(x, f"{where}.inputs[{i}]")
+                                for i, x in enumerate(_get(r, "inputs", list, where))),
+                   outputs=tuple(TensorSpec.from_dict(x, f"{where}.outputs[{i}]")
+                                 for i, x in enumerate(_get(r, "outputs", list, where))),
+                   cache_key=_get(r, "cache_key", str, where), **ints)
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """Tokenizer files (bundle-relative) and the ids generation needs."""
+
+    files: tuple[str, ...]
+    bos_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    add_bos: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"files": list(self.files), "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                "pad_token_id": self.pad_token_id, "add_bos": self.add_bos}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "Tokenizer":
+        r = _obj(raw, where)
+        files = _get(r, "files", list, where)
+        if not all(isinstance(f, str) for f in files):
+            raise BundleError(f"manifest {where}.files: expected a list of paths")
+        return cls(tuple(files), _get(r, "bos_token_id", int, where), _get(r, "eos_token_id", int, where),
+                   _get(r, "pad_token_id", int, where), _get(r, "add_bos", bool, where))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a runtime needs to verify and run a bundle (see the module docstring).
+
+    toolchain: versions on the compiling host: python, torch, machine (platform.machine()) and
+        cpu_isa (sorted ISA extension flags the host offered; executables may use any of them).
+    compiler: backend name, the effective backend flags, and `custom_ops` {op: "inline" | "call"}.
+    host_preprocessing: model-specific host-side data, e.g. {"engram": NgramHasher params or None}.
+    files: {bundle-relative path: {"sha256": hex, "size": bytes}} for every file except manifest.json.
+    load_casts: {weight name: dtype name} for weights stored narrower than the executables take them
+        (e.g. a bf16 checkpoint head held fp32 by the model); the runtime casts them after loading.
+    weight_views: {weight name: dtype name} for weights the executables take as a same-width bitcast
+        view (the cpu backend takes float8_e8m0fnu scales as uint8); applied after load_casts.
+    """
+
+    target: str
+    toolchain: dict[str, Any]
+    compiler: dict[str, Any]
+    model_config: dict[str, Any]
+    compile_config: dict[str, Any]
+    tokenizer: Tokenizer
+    host_preprocessing: dict[str, Any]
+    state: tuple[StateEntry, ...]
+    buckets: tuple[Bucket, ...]
+    files: dict[str, dict[str, Any]]
+    weights_file: str = WEIGHTS
+    schema_version: int = SCHEMA_VERSION
+    format: str = FORMAT
+    created_by: str = ""
+    load_casts: dict[str, str] = field(default_factory=dict)
+    weight_views: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        body = {
+            "format": self.format, "schema_version": self.schema_version, "created_by": self.created_by,
+            "target": self.target, "toolchain": self.toolchain, "compiler": self.compiler,
+            "model_config": self.model_config, "compile_config": self.compile_config,
+            "tokenizer": self.tokenizer.to_dict(), "host_preprocessing": self.host_preprocessing,
+            "weights_file": self.weights_file,
+            "state": [s.to_dict() for s in self.state], "buckets": [b.to_dict() for b in self.buckets],
+            "files": self.files, "load_casts": self.load_casts, "weight_views": self.weight_views,
+        }
+        return json.dumps(body, indent=1, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        """Parse and validate; the schema version is checked before any other field.
+
+        Raises BundleError naming the first malformed field.
+        """
+        try:
+            raw = json.loads(text, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, ValueError) as e:
+            raise BundleError(f"{MANIFEST}: not valid JSON ({e})") from None
+        r = _obj(raw, "")
+        if r.get("format") != FORMAT:
+            raise BundleError(f"{MANIFEST}: format is {r.get('format')!r}, expected {FORMAT!r} (not a dsneuron bundle)")
+        version = r.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise BundleError(f"{MANIFEST}: schema version {version!r} is not supported by this runtime "
+                              f"(supported: {SCHEMA_VERSION}); recompile the bundle with this dsneuron version")
+        files = _get(r, "files", dict, "")
+        for path, meta in files.items():
+            m = _obj(meta, f"files[{path!r}]")
+            _get(m, "sha256", str, f"files[{path!r}]")
+            _get(m, "size", int, f"files[{path!r}]")
+        compiler = _get(r, "compiler", dict, "")
+        custom_ops = _get(compiler, "custom_ops", dict, "compiler")
+        for op, mode in custom_ops.items():
+            if mode not in LOWERING_MODES:
+                raise BundleError(f"manifest compiler.custom_ops[{op!r}]: {mode!r} is not one of {', '.join(LOWERING_MODES)}")
+        return cls(
+            target=_get(r, "target", str, ""),
+            toolchain=_get(r, "toolchain", dict, ""),
+            compiler=compiler,
+            model_config=_get(r, "model_config", dict, ""),
+            compile_config=_get(r, "compile_config", dict, ""),
+            tokenizer=Tokenizer.from_dict(r.get("tokenizer"), "tokenizer"),
+            host_preprocessing=_get(r, "host_preprocessing", dict, ""),
+            state=tuple(StateEntry.from_dict(x, f"state[{i}]") for i, x in enumerate(_get(r, "state", list, ""))),
+            buckets=tuple(Bucket.from_dict(x, f"buckets[{i}]") for i, x in enumerate(_get(r, "buckets", list, ""))),
+            files=files,
+            weights_file=_get(r, "weights_file", str, ""),
+            schema_version=version,
+            created_by=_get(r, "created_by", str, ""),
+            load_casts=_dtype_map(_get(r, "load_casts", dict, ""), "load_casts"),
+            weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
+        )
+
+
+def _dtype_map(raw: dict[str, Any], where: str) -> dict[str, str]:
+    for name, dtype in raw.items():
+        parse_dtype(dtype, f"{where}[{name!r}]")
+    return raw
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _obj(raw: Any, where: str) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise BundleError(f"manifest {where or 'top level'}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _get(r: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    full = f"{where}.{key}" if where else key
+    if key not in r:
+        raise BundleError(f"manifest {full}: missing field")
+    value = r[key]
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise BundleError(f"manifest {full}: expected {typ.__name__}, got {type(value).__name__}")
+    return value

@@ -1,0 +1,284 @@
+"""Generation from a verified bundle: the Python API behind `dsneuron run`.
+
+    session = Session.load("artifacts/")
+    text = session.generate("Hello", max_new_tokens=32)                       # greedy
+    texts = session.generate(["a", "b"], 32, temperature=0.8, top_p=0.9, seed=1, stream=print_piece)
+
+Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> pick the batch and prefill
+buckets (first-fit, runtime_min/select.py) -> right-pad -> engram ids on the host from the
+manifest's parameters -> prefill (state starts as the manifest's fill values when the prefill
+takes state inputs) -> sample -> decode one token per row per step, each row at its own position,
+at the smallest decode capacity holding the positions in use, resizing the state between
+capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) -> stop a
+row at EOS (not part of its text) or max_new_tokens.
+
+Context limit, decided up front: a prompt of L tokens may generate N tokens only when L + N <= the
+largest decode capacity; otherwise the call is refused before any work with a UserError naming the
+capacity (so no partial generation is cut off silently).
+
+Streaming: `stream(row, piece)` gets each row's new text as it is generated. The whole generated
+id list is decoded each time and the new suffix emitted, holding back a trailing U+FFFD (an
+incomplete multi-byte character) until the bytes that complete it arrive; the pieces of a row
+concatenate to its returned text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from dsneuron import UserError
+
+from . import select
+from .bundle import Bundle, open_bundle
+from .executor_cpu import CpuExecutable, register_custom_ops
+from .sampling import check_params, sample
+from .schema import Bucket, BundleError, StateEntry, TensorSpec
+
+DATA_INPUTS = ("tokens", "valid_len", "pos", "engram_ids")
+
+
+class TextStream:
+    """Incremental detokenisation of one row (module docstring). `decode(ids) -> str` is the tokenizer's."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        """Add one id; returns the text that became final (possibly "")."""
+        self.ids.append(token)
+        text = self._decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text (including held-back replacement characters of an invalid tail)."""
+        text = self._decode(self.ids)
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece
+
+
+def fresh_state(specs: Sequence[TensorSpec], fills: dict[str, StateEntry]) -> dict[str, torch.Tensor]:
+    """State tensors of `specs`, each filled with its manifest fill value."""
+    return {s.name: torch.full(s.shape, fills[s.name].fill, dtype=s.torch_dtype) for s in specs}
+
+
+def resize_state(t: torch.Tensor, spec: TensorSpec, fill: float) -> torch.Tensor:
+    """`t` at the shape of `spec`: equal shapes pass through; otherwise exactly one dimension may
+    differ (the capacity-dependent one): growing appends rows of `fill`, shrinking drops trailing
+    rows (unused below the new capacity, schema.py). Raises BundleError for any other mismatch."""
+    if tuple(t.shape) == spec.shape:
+        return t
+    diff = [d for d, (a, b) in enumerate(zip(t.shape, spec.shape)) if a != b]
+    if t.dim() != len(spec.shape) or len(diff) != 1:
+        raise BundleError(f"state {spec.name}: cannot carry shape {list(t.shape)} to {list(spec.shape)} "
+                          "(only one capacity-dependent dimension may differ)")
+    d = diff[0]
+    if spec.shape[d] < t.shape[d]:
+        return t.narrow(d, 0, spec.shape[d]).contiguous()
+    out = torch.full(spec.shape, fill, dtype=t.dtype)
+    out.narrow(d, 0, t.shape[d]).copy_(t)
+    return out
+
+
+def make_engram_hasher(params: dict):
+    """The host-side n-gram hasher for the manifest's engram parameters."""
+    from .engram_hash import NgramHasher
+
+    try:
+        return NgramHasher(params)
+    except ValueError as e:
+        raise BundleError(f"manifest host_preprocessing.engram: {e}") from None
+
+
+class Session:
+    """A loaded bundle ready to generate. Build with `Session.load(path)`."""
+
+    def __init__(self, bundle: Bundle):
+        m = bundle.manifest
+        if m.target != "cpu":
+            raise BundleError(f"target {m.target!r}: this runtime has no executor for it yet (cpu only)")
+        self.bundle = bundle
+        self.manifest = m
+        self.weights = bundle.load_weights()
+        self.tokenizer = _load_tokenizer(bundle)
+        self.fills = {s.name: s for s in m.state}
+        register_custom_ops(m.compiler.get("custom_ops", {}))
+        self._buckets = {(b.kind, b.batch, b.length): b for b in m.buckets}
+        self._loaded: dict[tuple[str, int, int], CpuExecutable] = {}
+        self.batch_sizes = sorted({b.batch for b in m.buckets if b.kind == "prefill"})
+        cols = {tuple(s.shape[2:]) for b in m.buckets for s in b.inputs if s.name == "engram_ids"}
+        self.engram_cols = max(cols, default=(0, 0))
+        params = m.host_preprocessing.get("engram")
+        if self.engram_cols[0] > 0 and not params:
+            raise BundleError("manifest host_preprocessing.engram: the executables take engram ids but the "
+                              "manifest carries no hashing parameters")
+        self.hasher = make_engram_hasher(params) if self.engram_cols[0] > 0 else None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Session":
+        """Open and verify the bundle at `path` (runtime_min/bundle.py), load weights and tokenizer.
+        Executables load on first use. Raises BundleError naming the first problem."""
+        return cls(open_bundle(path))
+
+    # ------------------------------------------------------------------ buckets
+    def _lengths(self, kind: str, batch: int) -> list[int]:
+        return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
+
+    def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable:
+        key = (kind, batch, length)
+        if key not in self._loaded:
+            b = self._buckets[key]
+            self._loaded[key] = CpuExecutable(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
+        return self._loaded[key]
+
+    @property
+    def max_capacity(self) -> int:
+        return max(b.capacity for b in self.manifest.buckets if b.kind == "decode")
+
+    # ------------------------------------------------------------------ generation
+    def encode(self, prompt: str, index: int = 0) -> list[int]:
+        """Token ids of one prompt (BOS first when the manifest says so); UserError if empty."""
+        if not isinstance(prompt, str) or prompt == "":
+            raise UserError(f"prompt {index} is empty; a prompt needs at least one character")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        return ([self.manifest.tokenizer.bos_token_id] if self.manifest.tokenizer.add_bos else []) + ids
+
+    def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None,
+                 stream: Callable[[int, str], None] | None = None) -> str | list[str]:
+        """Generate up to `max_new_tokens` per prompt; returns one text per prompt (a str for a str).
+
+        temperature 0 is greedy; otherwise temperature/top-p sampling from a torch.Generator seeded
+        with `seed` (fresh entropy when None). `stream(row, piece)` receives text as it is final.
+        Raises UserError naming the limit for an empty prompt, a prompt longer than the largest
+        prefill bucket, more prompts than the largest batch bucket, prompt + max_new_tokens beyond
+        the context capacity, or bad sampling values.
+        """
+        single = isinstance(prompts, str)
+        ids = self.generate_ids([prompts] if single else list(prompts), max_new_tokens, temperature, top_p, seed, stream)
+        texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in ids]
+        return texts[0] if single else texts
+
+    def generate_ids(self, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None,
+                     stream: Callable[[int, str], None] | None = None) -> list[list[int]]:
+        """As `generate`, returning the generated token ids per prompt (EOS excluded)."""
+        if not prompts:
+            raise UserError("no prompts given")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_params(temperature, top_p)
+        ids = [self.encode(p, i) for i, p in enumerate(prompts)]
+        batch = select.pick_batch(self.batch_sizes, len(ids))
+        longest = max(len(x) for x in ids)
+        seq_len = select.pick_prefill(self._lengths("prefill", batch), longest)
+        if longest + max_new_tokens > self.max_capacity:
+            raise UserError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                            f"exceeds the context capacity of this bundle, {self.max_capacity} tokens "
+                            f"(compile.decode_context_lens); use max_new_tokens <= {self.max_capacity - longest}")
+        gen = torch.Generator()
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return self._run(ids, batch, seq_len, max_new_tokens, temperature, top_p, gen, stream)
+
+    def _run(self, ids: list[list[int]], batch: int, seq_len: int, max_new: int, temperature: float, top_p: float,
+             gen: torch.Generator, stream: Callable[[int, str], None] | None) -> list[list[int]]:
+        tok_cfg = self.manifest.tokenizer
+        n = len(ids)
+        tokens, valid = select.pad_prompts(ids, batch, seq_len, tok_cfg.pad_token_id)
+        history = None
+        engram = None
+        if self.hasher is not None:
+            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
+        exe = self._executable("prefill", batch, seq_len)
+        state = self._state_for(exe.bucket, {})
+        outs = exe.run(self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, state))
+        state = self._collect(exe.bucket, outs)
+        streams = [TextStream(lambda x: self.tokenizer.decode(x, skip_special_tokens=True)) for _ in range(n)]
+        generated: list[list[int]] = [[] for _ in range(n)]
+        active = [True] * n
+        next_ids = sample(outs[0], temperature, top_p, gen)
+        while True:
+            for i in range(n):
+                if not active[i]:
+                    continue
+                t = int(next_ids[i])
+                if t == tok_cfg.eos_token_id:
+                    active[i] = False
+                    continue
+                generated[i].append(t)
+                piece = streams[i].push(t)
+                if piece and stream is not None:
+                    stream(i, piece)
+                if len(generated[i]) >= max_new:
+                    active[i] = False
+            if not any(active):
+                break
+            # each active row feeds its last token at position prompt_len + generated - 1
+            pos = torch.zeros(batch, dtype=torch.int64)
+            feed = torch.full((batch, 1), tok_cfg.pad_token_id, dtype=torch.int64)
+            for i in range(n):
+                if active[i]:
+                    pos[i] = len(ids[i]) + len(generated[i]) - 1
+                    feed[i, 0] = generated[i][-1]
+            capacity = select.pick_capacity(self._lengths("decode", batch), int(pos.max()) + 1)
+            if self.hasher is not None:
+                engram, history = self.hasher.hash(feed, history)
+            exe = self._executable("decode", batch, capacity)
+            state = self._state_for(exe.bucket, state)
+            outs = exe.run(self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, state))
+            state = self._collect(exe.bucket, outs)
+            next_ids = sample(outs[0], temperature, top_p, gen)
+        for i in range(n):
+            piece = streams[i].finish()
+            if piece and stream is not None:
+                stream(i, piece)
+        return generated
+
+    def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""
+        out = {}
+        for spec in bucket.inputs:
+            if spec.name in DATA_INPUTS:
+                continue
+            if spec.name not in self.fills:
+                raise BundleError(f"{bucket.file}: input {spec.name} is neither a data input nor a state tensor of the manifest")
+            fill = self.fills[spec.name].fill
+            out[spec.name] = (resize_state(state[spec.name], spec, fill) if spec.name in state
+                              else torch.full(spec.shape, fill, dtype=spec.torch_dtype))
+        return out
+
+    def _inputs(self, bucket: Bucket, data: dict[str, torch.Tensor | None], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        args = []
+        for spec in bucket.inputs:
+            if spec.name == "engram_ids" and data.get("engram_ids") is None:
+                args.append(torch.zeros(spec.shape, dtype=torch.int64))  # E = 0: an empty tensor
+            elif spec.name in DATA_INPUTS:
+                args.append(data[spec.name].contiguous())
+            else:
+                args.append(state[spec.name])
+        return args
+
+    @staticmethod
+    def _collect(bucket: Bucket, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {spec.name: t for spec, t in zip(bucket.outputs[1:], outs[1:])}
+
+
+def _load_tokenizer(bundle: Bundle):
+    from tokenizers import Tokenizer
+
+    path = bundle.tokenizer_dir / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises plain Exception
+        raise BundleError(f"{path.relative_to(bundle.root)}: not a valid tokenizer.json ({e})") from None

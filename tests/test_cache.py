@@ -1,0 +1,199 @@
+"""The compile cache (compiler/cache.py): key properties, entry atomicity, and its use by the pipeline."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import stand_in
+from dsneuron.compiler import backend_cpu
+from dsneuron.compiler import compile as pipeline
+from dsneuron.compiler.cache import (ENV_VAR, MARKER, CompileCache, cache_key, default_cache_dir, file_sha256,
+                                     normalise_flags, normalised_graph)
+from dsneuron.runtime_min.bundle import host_toolchain
+
+QUIET = Console(file=io.StringIO())
+
+MODULE_SOURCE = '''
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) + self.table)
+'''
+
+
+def _import_from(folder: Path, name: str):
+    folder.mkdir(parents=True)
+    path = folder / "tiny_mod.py"
+    path.write_text(MODULE_SOURCE)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _export(mod, shape=(2, 8), table=None):
+    torch.manual_seed(0)
+    m = mod.Tiny().eval()
+    if table is not None:
+        m.table.copy_(table)
+    return torch.export.export(m, (torch.zeros(shape),), strict=False)
+
+
+# ------------------------------------------------------------------------------------------ keys
+def test_two_checkouts_give_the_same_key(tmp_path):
+    a = _import_from(tmp_path / "checkout_a" / "pkg", "ckout_a_tiny")
+    b = _import_from(tmp_path / "elsewhere" / "b", "ckout_b_tiny")
+    pa, pb = _export(a), _export(b)
+    # the raw graphs do carry their source paths (so the test can fail) ...
+    traces = [n.meta.get("stack_trace") or "" for n in pa.graph.nodes]
+    assert any("checkout_a" in t for t in traces)
+    # ... the normalised text and the key do not
+    ga, gb = normalised_graph(pa), normalised_graph(pb)
+    assert "checkout_a" not in ga and "tiny_mod.py" not in ga
+    assert ga == gb
+    tc = host_toolchain()
+    assert cache_key(ga, {"x": 1}, tc, "cpu", "b") == cache_key(gb, {"x": 1}, tc, "cpu", "b")
+
+
+def test_key_changes_with_shape_constants_flags_toolchain_target(tmp_path):
+    mod = _import_from(tmp_path / "m", "keys_tiny")
+    tc = host_toolchain()
+    base_graph = normalised_graph(_export(mod))
+    base = cache_key(base_graph, {"a": 1}, tc, "cpu", "aot_inductor")
+    variants = [
+        cache_key(normalised_graph(_export(mod, shape=(3, 8))), {"a": 1}, tc, "cpu", "aot_inductor"),
+        cache_key(normalised_graph(_export(mod, table=torch.arange(8.0) * 2)), {"a": 1}, tc, "cpu", "aot_inductor"),
+        cache_key(base_graph, {"a": 2}, tc, "cpu", "aot_inductor"),
+        cache_key(base_graph, {"a": 1, "b": 0}, tc, "cpu", "aot_inductor"),
+        cache_key(base_graph, {"a": 1}, {**tc, "torch": "9.9.9"}, "cpu", "aot_inductor"),
+        cache_key(base_graph, {"a": 1}, tc, "neuron", "aot_inductor"),
+    ]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_flag_normalisation_ignores_order_and_spacing():
+    assert normalise_flags("-O1 --lnc 2  --target trn2") == normalise_flags("--target=trn2   --lnc=2 -O1")
+    assert normalise_flags(["--lnc", "2", "-O1"]) == normalise_flags("-O1 --lnc=2")
+    assert normalise_flags({"b": 1, "a": [1, 2]}) == normalise_flags({"a": [1, 2], "b": 1})
+    assert normalise_flags("-O1 --lnc 2") != normalise_flags("-O2 --lnc 2")
+    assert normalise_flags("--lnc 1 --lnc 2") == normalise_flags("--lnc 2")  # the last value wins
+    assert normalise_flags("--auto-cast none") != normalise_flags("--auto-cast all")
+
+
+def test_default_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv(ENV_VAR)
+    assert default_cache_dir() == Path.home() / ".cache" / "dsneuron"
+
+
+# ------------------------------------------------------------------------------------------ entries
+KEY = "ab" * 32
+
+
+def test_put_get_and_completion_marker(tmp_path):
+    cache = CompileCache(tmp_path / "cache")
+    art = tmp_path / "x.pt2"
+    art.write_bytes(b"executable")
+    assert cache.get(KEY) is None
+    got = cache.put(KEY, art)
+    assert got.read_bytes() == b"executable" and cache.get(KEY) == got
+    # an entry without its marker, or whose artifact changed, does not count
+    (got.parent / MARKER).unlink()
+    assert cache.get(KEY) is None
+    cache.put(KEY, art)
+    got.write_bytes(b"executablX")
+    assert cache.get(KEY) is None
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
+def _hammer(root: str, payload: bytes, n: int) -> None:
+    cache = CompileCache(Path(root))
+    art = Path(root).parent / f"art-{payload.decode()}.pt2"
+    art.write_bytes(payload * 1000)
+    for _ in range(n):
+        cache.put(KEY, art)
+        assert cache.get(KEY) is not None
+
+
+def test_concurrent_puts_share_one_directory_safely(tmp_path):
+    root = tmp_path / "cache"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_hammer, args=(str(root), p, 25)) for p in (b"A", b"B")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = CompileCache(root).get(KEY)
+    assert got is not None and got.read_bytes() in (b"A" * 1000, b"B" * 1000)
+    marker = json.loads((got.parent / MARKER).read_text())
+    assert marker["sha256"] == file_sha256(got)
+    assert [p.name for p in (root / "entries").iterdir()] == [KEY]  # no temporary folders left
+
+
+# ------------------------------------------------------------------------------------------ pipeline
+@pytest.fixture()
+def fake_backend(monkeypatch):
+    """Replace the AOTInductor compile by a stub that records its calls and writes the graph text."""
+    calls = []
+
+    def fake(program, out, flags):
+        calls.append(out.name)
+        out.write_text(normalised_graph(program))
+
+    monkeypatch.setattr(backend_cpu, "compile_cpu", fake)
+    return calls
+
+
+def test_second_compile_compiles_nothing_and_a_changed_option_recompiles(tmp_path, fake_backend):
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+    cache = tmp_path / "cache"
+    run = lambda out, flags=None: pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / out, kit.parts,
+                                                          cache_dir=cache, flags=flags, console=QUIET)
+    run("one")
+    assert sorted(fake_backend) == ["decode_b2_s8.pt2", "prefill_b2_s8.pt2"]
+    run("two")
+    assert len(fake_backend) == 2, "an unchanged bucket was compiled twice"
+    for name in ("decode_b2_s8.pt2", "prefill_b2_s8.pt2"):
+        assert (tmp_path / "one/buckets" / name).read_bytes() == (tmp_path / "two/buckets" / name).read_bytes()
+    run("three", flags={"aot_inductor.compile_wrapper_opt_level": "O1"})
+    assert len(fake_backend) == 4, "a changed compiler option did not recompile"
+    manifest = json.loads((tmp_path / "three/manifest.json").read_text())
+    assert manifest["compiler"]["flags"]["aot_inductor.compile_wrapper_opt_level"] == "O1"
+
+
+def test_cache_dir_from_env(tmp_path, fake_backend, monkeypatch):
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "envcache"))
+    pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / "b", kit.parts, console=QUIET)
+    assert len(list((tmp_path / "envcache" / "entries").iterdir())) == 2
+
+
+def test_real_recompile_with_the_same_cache_compiles_nothing(tmp_path, monkeypatch):
+    bundle, kit = stand_in.shared_bundle()
+    calls = []
+    real = backend_cpu.compile_cpu
+    monkeypatch.setattr(backend_cpu, "compile_cpu", lambda *a: calls.append(a) or real(*a))
+    again = pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / "again", kit.parts,
+                                    cache_dir=bundle.parent / "cache", console=QUIET)
+    assert calls == []
+    first = json.loads((bundle / "manifest.json").read_text())["files"]
+    second = json.loads((again / "manifest.json").read_text())["files"]
+    assert first == second  # same executables, weights and tokenizer, byte for byte
