@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
+from dsneuron import UserError
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -62,7 +64,8 @@ def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig) -
     the deterministic one from compile.seed when null), build the graphs.steps modules over shared
     weights, and return them with the tokenizer files (graphs.tokenizer.tokenizer_files()) and the
     engram hashing parameters."""
-    raise NotImplementedError("model not wired yet")
+    raise UserError("compile: the V4.1 model is not wired into the compile pipeline yet (issue 5); "
+                    "the pipeline, cache, bundle and runtime run on the test stand-in model only")
 
 
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
