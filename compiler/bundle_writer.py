@@ -87,7 +87,12 @@ class BundleWriter:
 
     def write_weights(self, weights: dict[str, torch.Tensor], rel: str = WEIGHTS) -> None:
         """weights.safetensors (no pickle); tensors must be contiguous and must not share storage."""
-        save_file(weights, str(self.path(rel)))
+        path = self.path(rel)
+        save_file(weights, str(path))
+        # safetensors creates the file owner-only; a bundle is meant to be shared like any output
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(path, 0o666 & ~mask)
 
     def commit(self, manifest: Manifest) -> Path:
         """Checksum every file, write manifest.json, then move the bundle into place. Returns `out`."""

@@ -10,6 +10,8 @@ extensions); (d) the target and the backend name.
 Layout under the root (default ~/.cache/dsneuron, env DSNEURON_CACHE_DIR, or --cache-dir):
     entries/<key>/<artifact>   the executable
     entries/<key>/COMPLETE     completion marker: JSON with the artifact's name, size and sha256
+    aliases/<prekey>.json      optional front index: a pre-export key -> the graph key plus what the
+                               manifest needs about the bucket (see `pre_key`)
 An entry is written in a private temporary folder and renamed into place in one step; a folder
 without its marker, or whose artifact does not match the marker, is not an entry (a miss). Two
 processes compiling the same key both succeed: the first rename wins, the second discards its copy.
@@ -102,6 +104,29 @@ def cache_key(graph_text: str, flags: dict[str, Any] | str | list[str], toolchai
     return hashlib.sha256(body.encode()).hexdigest()
 
 
+def pre_key(fingerprint: str, bucket: dict[str, Any], weights_digest: str, flags: dict[str, Any] | str | list[str],
+            toolchain: dict[str, Any], target: str, backend: str) -> str:
+    """A key computable before export, for the front index that lets an unchanged bucket skip
+    torch.export (which is most of a warm compile). `fingerprint` comes from the model side and must
+    change whenever the step graphs could (e.g. the sha256 of the model's source files and config);
+    the compiler's own sources, the bucket shape, the weights' names/shapes/dtypes, flags, toolchain
+    and target are added here. Without a fingerprint there is no pre-key and every bucket is exported."""
+    body = json.dumps({"format": _KEY_FORMAT, "fingerprint": fingerprint, "bucket": bucket, "weights": weights_digest,
+                       "compiler": source_digest(Path(__file__).parent), "flags": normalise_flags(flags),
+                       "toolchain": toolchain, "target": target, "backend": backend}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def source_digest(*folders: Path) -> str:
+    """sha256 over the relative paths and contents of the .py files under `folders` (not their
+    location, so two checkouts agree)."""
+    h = hashlib.sha256()
+    for folder in folders:
+        for p in sorted(Path(folder).rglob("*.py")):
+            h.update(p.relative_to(folder).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -159,6 +184,27 @@ class CompileCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return entry / json.loads((entry / MARKER).read_text())["artifact"]
+
+
+    def get_alias(self, prekey: str) -> dict[str, Any] | None:
+        """The front-index record of `prekey` when its graph entry is complete, else None (a miss)."""
+        self._entry(prekey)  # validates the form
+        try:
+            record = json.loads((self.root / "aliases" / f"{prekey}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        key = record.get("graph_key") if isinstance(record, dict) else None
+        artifact = self.get(key) if isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key) else None
+        return None if artifact is None else {**record, "artifact": artifact}
+
+    def put_alias(self, prekey: str, record: dict[str, Any]) -> None:
+        """Write the front-index record atomically (temporary file, then rename)."""
+        self._entry(prekey)
+        folder = self.root / "aliases"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{prekey}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.write_text(json.dumps(record, sort_keys=True))
+        os.replace(tmp, folder / f"{prekey}.json")
 
 
 def _arg_name(arg: Any) -> str:

@@ -121,7 +121,10 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> Non
 def main() -> None:
     """Console-script entry point: run the typer app, mapping UserError to exit code 2."""
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
+        # with standalone_mode=False typer returns (not raises) the exit code, e.g. 130 on Ctrl-C
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except UserError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -4,12 +4,15 @@
 place where the real model is wired in (tests pass a stand-in StepFactory instead).
 
 Order of work, so that bad input fails before anything expensive: target availability, bucket plan
-(kernel constraints), output folder, weights and tokenizer inputs; then per bucket: export, lower,
-cache lookup, compile on a miss; then the weights file, tokenizer copies, manifest, atomic rename.
+(kernel constraints), output folder, weights and tokenizer inputs; then per bucket: export (with the
+target's custom-op lowering active, compiler/lower.py), cache lookup, compile on a miss; then the
+weights file, tokenizer copies, manifest, atomic rename.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -17,24 +20,23 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-
-from dsneuron import UserError
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import dsneuron
+from dsneuron import UserError
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, Manifest, StateEntry, Tokenizer,
-                                         bucket_file, dtype_name)
+from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, Manifest, StateEntry, TensorSpec,
+                                         Tokenizer, bucket_file, dtype_name)
 
 from . import backend_cpu
-from .buckets import BucketPlan, plan_buckets
+from .buckets import BucketPlan, PlannedBucket, plan_buckets
 from .bundle_writer import BundleWriter, check_output
-from .cache import CompileCache, cache_key, default_cache_dir, normalised_graph
+from .cache import CompileCache, cache_key, default_cache_dir, normalised_graph, pre_key
 from .config import CompileConfig
 from .export import CompileError, StepFactory, StepGraph, export_step
-from .lower import lower
+from .lower import finish, inline_mode
 
 __all__ = ["ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle"]
 
@@ -100,36 +102,44 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     toolchain = host_toolchain()
     cache = CompileCache(cache_dir if cache_dir is not None else default_cache_dir())
     state = _state_entries(parts.steps, plan)
+    fingerprint = getattr(parts.steps, "fingerprint", None)
+    fp = fingerprint() if callable(fingerprint) else None
+    wdigest = _weights_digest(parts.weights)
     buckets: list[Bucket] = []
     custom_ops: dict[str, str] = {}
     weight_views: dict[str, str] = {}
+    compiled = 0
     with BundleWriter(out, force) as writer, _progress(console) as progress:
         tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
         for pb in plan.buckets:
             task = tasks[pb]
             t0 = time.perf_counter()
-            progress.update(task, status="exporting")
-            graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
-                else parts.steps.decode(pb.batch, pb.capacity)
-            exported = export_step(graph, parts.weights, pb.label, backend_cpu.INPUT_VIEWS)
-            weight_views.update({n: dtype_name(d) for n, d in exported.views.items()})
-            progress.update(task, status="lowering")
-            program, modes = lower(exported.program, target, pb.label)
-            custom_ops.update(modes)
-            key = cache_key(normalised_graph(program), flags, toolchain, target, backend_cpu.BACKEND)
             rel = bucket_file(pb.kind, pb.batch, pb.length, target)
-            cached = cache.get(key)
-            if cached is None:
-                progress.update(task, status="compiling")
-                backend_cpu.compile_cpu(program, writer.path(rel), flags)
-                cache.put(key, writer.path(rel))
-                how = "compiled"
-            else:
-                writer.copy_in(cached, rel)
-                how = "cached"
+            prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, flags, toolchain, target, backend_cpu.BACKEND) if fp else None
+            record = cache.get_alias(prekey) if prekey else None
+            how = "cached"
+            if record is None:
+                progress.update(task, status="exporting")
+                record, program = _export(parts, pb, target)
+                record["graph_key"] = cache_key(normalised_graph(program), flags, toolchain, target, backend_cpu.BACKEND)
+                artifact = cache.get(record["graph_key"])
+                if artifact is None:
+                    progress.update(task, status="compiling")
+                    backend_cpu.compile_cpu(program, writer.path(rel), flags)
+                    artifact = cache.put(record["graph_key"], writer.path(rel))
+                    how, compiled = "compiled", compiled + 1
+                if prekey:
+                    cache.put_alias(prekey, record)
+                record["artifact"] = artifact
+            if how == "cached":
+                writer.copy_in(record["artifact"], rel)
+            custom_ops.update(record["custom_ops"])
+            weight_views.update(record["views"])
             buckets.append(Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=rel,
-                                  weights=exported.weights, inputs=exported.inputs, outputs=exported.outputs,
-                                  cache_key=key))
+                                  weights=tuple(record["weights"]),
+                                  inputs=tuple(TensorSpec.from_dict(x, "inputs") for x in record["inputs"]),
+                                  outputs=tuple(TensorSpec.from_dict(x, "outputs") for x in record["outputs"]),
+                                  cache_key=record["graph_key"]))
             progress.update(task, status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
         used = {n for b in buckets for n in b.weights}
         writer.write_weights({n: t for n, t in stored.items() if n in used})
@@ -146,8 +156,28 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())))
         path = writer.commit(manifest)
-    console.print(f"bundle written to {path} ({cache.misses} compiled, {cache.hits} from the cache at {cache.root})")
+    console.print(f"bundle written to {path} ({compiled} compiled, {len(buckets) - compiled} from the cache at {cache.root})")
     return path
+
+
+def _export(parts: ModelParts, pb: PlannedBucket, target: str) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
+    """Export one bucket with the target's lowering; returns (the bucket's manifest facts as plain
+    data, the program). The facts are what the cache's front index stores."""
+    graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
+        else parts.steps.decode(pb.batch, pb.capacity)
+    mode = inline_mode(target)
+    exported = export_step(graph, parts.weights, pb.label, backend_cpu.INPUT_VIEWS, mode)
+    record = {"weights": list(exported.weights), "inputs": [s.to_dict() for s in exported.inputs],
+              "outputs": [s.to_dict() for s in exported.outputs],
+              "views": {n: dtype_name(d) for n, d in exported.views.items()},
+              "custom_ops": finish(exported.program, mode, pb.label)}
+    return record, exported.program
+
+
+def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """sha256 of the weights' names, shapes and dtypes (not their values: those are inputs)."""
+    spec = [(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()]
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
 
 
 def _progress(console: Console) -> Progress:

@@ -10,11 +10,13 @@ are not weights (e.g. RoPE tables) stay graph constants and are embedded in the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from dsneuron.runtime_min.schema import TensorSpec, dtype_name
 
@@ -45,6 +47,9 @@ class StepFactory(Protocol):
 
     init_state(batch, capacity) -> {state name: tensor}, ordered as the state layout; each tensor
     must be one constant value (the runtime re-creates it from the manifest's fill values).
+    Optional: fingerprint() -> str, a digest that changes whenever the step graphs could (model
+    source files, config); with it an unchanged bucket skips torch.export on a warm compile
+    (compiler/cache.py `pre_key`).
     """
 
     def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph: ...
@@ -111,13 +116,15 @@ def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str) -
 
 
 def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
-                input_views: dict[torch.dtype, torch.dtype] | None = None) -> ExportedStep:
+                input_views: dict[torch.dtype, torch.dtype] | None = None,
+                mode: TorchFunctionMode | None = None) -> ExportedStep:
     """Export `graph.module` at the static shapes of `graph.inputs` (non-strict torch.export).
 
     what: a label for messages, e.g. "prefill b1 s128".
     input_views: {dtype: same-width dtype} for weight dtypes the backend cannot take as inputs
         (Inductor's cpu codegen has no float8_e8m0fnu): such a weight is passed as a bitcast view
         (zero-copy) and viewed back inside the graph.
+    mode: a TorchFunctionMode active while tracing (the target's lowering, compiler/lower.py).
     Raises CompileError when a parameter is not a weight or the outputs do not match `graph.outputs`.
     """
     input_views = input_views or {}
@@ -127,7 +134,7 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
     args = tuple(weights[n].view(input_views[d]) if d in input_views else weights[n] for n, d in zip(names, originals))
     args += tuple(t for _, t in graph.inputs)
-    with torch.no_grad():
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()):
         program = torch.export.export(wrapper, args, strict=False)
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .schema import MANIFEST, TOKENIZER_DIR, BundleError, Manifest, parse_dtype
+from .schema import MANIFEST, BundleError, Manifest, parse_dtype
 
 # Import names of the Neuron SDK; AWS serves them from its own pip index (the PyPI packages of
 # these names are placeholders).
@@ -149,8 +149,12 @@ class Bundle:
         return weights
 
     @property
-    def tokenizer_dir(self) -> Path:
-        return self.root / TOKENIZER_DIR
+    def tokenizer_file(self) -> Path:
+        """The bundle's tokenizer.json (the first tokenizer file of the manifest)."""
+        files = self.manifest.tokenizer.files
+        if not files or Path(files[0]).name != "tokenizer.json":
+            raise BundleError(f"{MANIFEST}: tokenizer.files must start with a tokenizer.json (got {list(files)})")
+        return self.root / files[0]
 
 
 def open_bundle(path: str | Path) -> Bundle:

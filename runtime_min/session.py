@@ -277,7 +277,7 @@ class Session:
 def _load_tokenizer(bundle: Bundle):
     from tokenizers import Tokenizer
 
-    path = bundle.tokenizer_dir / "tokenizer.json"
+    path = bundle.tokenizer_file
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises plain Exception

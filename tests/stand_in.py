@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -168,6 +169,12 @@ class StandInFactory:
 
     def __init__(self, model: StandInModel):
         self.model = model
+
+    def fingerprint(self) -> str:
+        """This file's source and the model's dimensions: everything the step graphs depend on."""
+        m = self.model
+        dims = (m.vocab_size, m.dim, len(m.wq), m.window, m.engram_dims, tuple(m.engram.shape))
+        return hashlib.sha256(Path(__file__).read_bytes() + repr(dims).encode()).hexdigest()
 
     def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return self.model.init_state(batch, capacity)

@@ -23,9 +23,10 @@ from dsneuron.compiler import backend_cpu, cli
 from dsneuron.compiler import compile as pipeline
 from dsneuron.compiler.bundle_writer import OutputExistsError
 from dsneuron.compiler.cache import normalised_graph
-from dsneuron.compiler.export import CompileError
+from dsneuron.compiler.export import CompileError, StepGraph, export_step
+from dsneuron.compiler.lower import finish, inline_mode
 from dsneuron.runtime_min.bundle import check_toolchain, host_toolchain, missing_packages, open_bundle
-from dsneuron.runtime_min.executor_cpu import check_archive
+from dsneuron.runtime_min.executor_cpu import check_archive, register_custom_ops
 from dsneuron.runtime_min.schema import SCHEMA_VERSION, BundleError, Manifest
 from dsneuron.runtime_min.session import Session
 
@@ -75,6 +76,42 @@ def test_manifest_round_trips_and_lists_every_file():
                                                  "buckets/prefill_b2_s8.pt2"]
     assert {s.name for s in m.state} == {"layers.0.kv", "layers.0.ring", "layers.1.kv", "layers.1.ring"}
     assert m.host_preprocessing["engram"]["max_ngram_size"] == 3
+
+
+@torch.library.custom_op("dsneuron_test::branchy", mutates_args=(), device_types="cpu")
+def branchy(x: torch.Tensor) -> torch.Tensor:
+    """A reference with data-dependent Python control flow: export cannot trace it."""
+    return x + 1 if bool(x.sum() > 0) else x - 1
+
+
+@branchy.register_fake
+def _branchy_fake(x):
+    return torch.empty_like(x)
+
+
+class _Both(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.dsneuron_test.branchy(torch.ops.dsneuron_test.gated_mix(x, x, 0.5))
+
+
+def test_lowering_inlines_traceable_references_and_calls_the_rest():
+    mode = inline_mode("cpu")
+    graph = StepGraph(_Both(), (("x", torch.randn(3, 4)),), ("y",))
+    exported = export_step(graph, {}, "test", mode=mode)
+    modes = finish(exported.program, mode, "test")
+    assert modes == {"dsneuron_test::branchy": "call", "dsneuron_test::gated_mix": "inline"}
+    targets = {str(n.target) for n in exported.program.graph.nodes}
+    assert "dsneuron_test.branchy.default" in targets
+    assert not any("gated_mix" in t for t in targets)
+    assert "aten._assert_tensor_metadata.default" not in targets
+    with pytest.raises(CompileError, match="no lowering for target 'neuron'"):
+        inline_mode("neuron")
+
+
+def test_runtime_registers_called_ops():
+    register_custom_ops({"dsneuron_test::branchy": "call", "dsneuron::whatever": "inline"})
+    with pytest.raises(BundleError, match="call custom op nowhere::x at run time, but no loaded module registers it"):
+        register_custom_ops({"nowhere::x": "call"})
 
 
 def test_weights_stored_once_and_bundle_size(tmp_path):

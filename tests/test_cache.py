@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -177,6 +178,34 @@ def test_second_compile_compiles_nothing_and_a_changed_option_recompiles(tmp_pat
     assert len(fake_backend) == 4, "a changed compiler option did not recompile"
     manifest = json.loads((tmp_path / "three/manifest.json").read_text())
     assert manifest["compiler"]["flags"]["aot_inductor.compile_wrapper_opt_level"] == "O1"
+
+
+def test_fingerprint_skips_export_on_a_warm_compile(tmp_path, fake_backend, monkeypatch):
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+    exports = []
+    real_export = pipeline.export_step
+    monkeypatch.setattr(pipeline, "export_step", lambda *a, **k: exports.append(a[2]) or real_export(*a, **k))
+    run = lambda out, parts: pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / out, parts,
+                                                     cache_dir=tmp_path / "cache", console=QUIET)
+    run("one", kit.parts)
+    assert len(exports) == 2 and len(fake_backend) == 2
+    run("two", kit.parts)
+    assert len(exports) == 2, "a warm compile with an unchanged fingerprint exported again"
+    assert (tmp_path / "one/manifest.json").read_text() == (tmp_path / "two/manifest.json").read_text()
+
+    class Edited(stand_in.StandInFactory):  # the model source changed, its graphs did not
+        def fingerprint(self):
+            return "0" * 64
+
+    run("three", dataclasses.replace(kit.parts, steps=Edited(kit.model)))
+    assert len(exports) == 4 and len(fake_backend) == 2  # exported again, the graph key still hits
+
+    class NoFingerprint:  # a factory without fingerprint() always exports
+        def __init__(self, inner):
+            self.prefill, self.decode, self.init_state = inner.prefill, inner.decode, inner.init_state
+
+    run("four", dataclasses.replace(kit.parts, steps=NoFingerprint(kit.parts.steps)))
+    assert len(exports) == 6 and len(fake_backend) == 2
 
 
 def test_cache_dir_from_env(tmp_path, fake_backend, monkeypatch):

@@ -212,3 +212,5 @@ def test_cli_run_bad_input_exits_2(monkeypatch, capsys, bundle):
     code = run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "hi", "--max-new-tokens", "20")
     assert code == 2
     assert "context capacity of this bundle, 16 tokens" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "") == 2
+    assert "prompt 0 is empty" in capsys.readouterr().err
