@@ -59,7 +59,7 @@ def compile_cmd(
 
     check_target(target)  # fail fast, before reading anything
     model_cfg, compile_cfg, _ = load_config(config)
-    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg)
+    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
                             console=console)
 

@@ -61,13 +61,13 @@ class ModelParts:
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
-def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig) -> ModelParts:
-    """THE place where the real model is wired: load or make the checkpoint (compile.checkpoint, or
-    the deterministic one from compile.seed when null), build the graphs.steps modules over shared
-    weights, and return them with the tokenizer files (graphs.tokenizer.tokenizer_files()) and the
-    engram hashing parameters."""
-    raise UserError("compile: the V4.1 model is not wired into the compile pipeline yet (issue 5); "
-                    "the pipeline, cache, bundle and runtime run on the test stand-in model only")
+def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None) -> ModelParts:
+    """The real model's parts: the checkpoint of compile.checkpoint (or the deterministic one of
+    compile.seed, made once under the cache folder), graphs.steps modules over shared weights, the
+    tokenizer files and the engram hashing parameters (see compiler/model_steps.py)."""
+    from .model_steps import build_model_parts
+
+    return build_model_parts(model_cfg, compile_cfg, cache_dir)
 
 
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,

@@ -20,8 +20,9 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
 - Per-row positions. A batch may mix prompt lengths (prefill `valid_len[B]`) and decode positions
   (`pos[B]`); ring slots, compressor completion and cache writes are selected per row with masks.
 - The MoE of the exported steps runs every expert on every token with weight 0 where the token is
-  not routed (static shapes); adding an exact zero leaves the fp32 sum bit-identical to the
-  reference's routed loop, which the eager golden uses (`MoE.routed`).
+  not routed (static shapes), as one batched GEMM per K block over the stacked experts; adding an
+  exact zero leaves the fp32 sum bit-identical to the reference's routed loop, which the eager
+  golden uses (`MoE.forward(routed=True)`).
 - RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
 - GEMMs with fewer than 8 rows are zero-padded to 8 (`quant.pad_rows`): the CPU BLAS sums fp32
   products in another order below 8 rows, which would make a decode step differ from a prefill.
@@ -45,7 +46,7 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
-from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
+from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -611,10 +612,34 @@ class MoE(nn.Module):
                     y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
         else:
             dense = torch.zeros(x.size(0), self.n_experts, dtype=torch.float32, device=x.device).scatter(1, indices, weights)
+            out = self._all_experts(x, dense.t().unsqueeze(-1))  # bf16 [E, N, D]
             for e in range(self.n_experts):
-                y = y + self.experts[e](x, dense[:, e:e + 1])
+                y = y + out[e]
         y = y + self.shared_experts(x)
         return y.to(x.dtype).view(shape)
+
+    def _stacked(self, which: str) -> torch.Tensor:
+        """fp32 [E, out, in]: every routed expert's `which` (w1/w2/w3) projection, dequantised once
+        from the stacked packed bytes (or from the golden's cached copies)."""
+        lins = [getattr(ex, which) for ex in self.experts]
+        if lins[0].cached is not None:
+            return torch.stack([lin.cached for lin in lins])
+        # stack the scale bytes as uint8: Inductor's cpu codegen has no e8m0 buffers
+        return dequant_fp4_weight(torch.stack([lin.weight for lin in lins]),
+                                  torch.stack([lin.scale.view(torch.uint8) for lin in lins]))
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, as Expert.forward computes it per expert: x bf16 [N, D],
+        weights fp32 [E, N, 1] (0 where not routed) -> bf16 [E, N, D]."""
+        rev = NUMERICS.reverse_gemm_blocks
+        gate = experts_linear(x, self._stacked("w1"), reverse_blocks=rev).float()
+        up = experts_linear(x, self._stacked("w3"), reverse_blocks=rev).float()
+        limit = self.experts[0].limit
+        if limit > 0:
+            up = up.clamp(-limit, limit)
+            gate = gate.clamp(max=limit)
+        h = weights * (F.silu(gate) * up)
+        return experts_linear(h.to(x.dtype), self._stacked("w2"), reverse_blocks=rev)
 
 
 # ----------------------------------------------------------------------------------------- engram

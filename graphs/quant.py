@@ -319,7 +319,8 @@ def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Packed FP4 expert weight -> fp32: W[n, k] = e2m1(code[n, k]) * scale[n, k // 32].
 
-    w: int8, uint8 or float4_e2m1fn_x2 [N, K/2] (even element in the low nibble). The checkpoint
+    w: int8, uint8 or float4_e2m1fn_x2 [N, K/2], or a stack of experts [E, N, K/2] (even element in
+    the low nibble). The checkpoint
     stores int8; the reference model holds float4_e2m1fn_x2. scale: float8_e8m0fnu [N, K/32].
     Returns fp32 [N, K]. The result is exact, since an e2m1 value times a power of two is an fp32
     value. Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) gives NaN, as in
@@ -327,15 +328,15 @@ def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Source: reference/deepseek_v4_arch.md section 5; DeepSeek-V4-Flash inference/convert.py
     cast_e2m1fn_to_e4m3fn (code table).
     """
-    if w.dtype not in _PACKED_FP4_DTYPES or w.dim() != 2:
-        raise ValueError(f"dequant_fp4_weight: w must be 2-D int8, uint8 or float4_e2m1fn_x2, "
-                         f"got {w.dtype} {tuple(w.shape)}")
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise ValueError(f"dequant_fp4_weight: scale must be float8_e8m0fnu, got {scale.dtype}")
-    n, k = w.shape[0], 2 * w.shape[1]
-    if k % FP4_WEIGHT_BLOCK or tuple(scale.shape) != (n, k // FP4_WEIGHT_BLOCK):
+    if w.dtype not in _PACKED_FP4_DTYPES or w.dim() not in (2, 3):
+        raise ValueError(f"dequant_fp4_weight: w must be [N, K/2] or stacked [E, N, K/2] int8, uint8 or "
+                         f"float4_e2m1fn_x2, got {w.dtype} {tuple(w.shape)}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"dequant_fp4_weight: scale must be float8_e8m0fnu (or its uint8 bytes), got {scale.dtype}")
+    lead, k = tuple(w.shape[:-1]), 2 * w.shape[-1]
+    if k % FP4_WEIGHT_BLOCK or tuple(scale.shape) != (*lead, k // FP4_WEIGHT_BLOCK):
         raise ValueError(f"dequant_fp4_weight: for w {tuple(w.shape)} (K = {k}, a multiple of "
-                         f"{FP4_WEIGHT_BLOCK}) scale must be {(n, k // FP4_WEIGHT_BLOCK)}, got {tuple(scale.shape)}")
+                         f"{FP4_WEIGHT_BLOCK}) scale must be {(*lead, k // FP4_WEIGHT_BLOCK)}, got {tuple(scale.shape)}")
     # one gather through a byte -> (low, high) value table instead of nibble arithmetic: the
     # decode step dequantises every routed expert, so this is on the hot path
     values = _fp4_byte_table(w.device)[w.view(torch.uint8).long()].flatten(-2)
@@ -437,3 +438,28 @@ def fp8_linear(
     q, s = act_quant(x, block)
     a = _scale_blocks(q.float(), s, block)
     return block_scaled_matmul(a, w_deq, block, reverse_blocks).to(torch.bfloat16)
+
+
+def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, reverse_blocks: bool = False) -> torch.Tensor:
+    """`fp8_linear` for a stack of experts at once: x bf16 [M, K] (shared input) or [E, M, K], w_deq
+    fp32 [E, N, K] -> bf16 [E, M, N].
+
+    Bit-identical to `fp8_linear(x[e], w_deq[e])` per expert: the same 1x32 activation QDQ, the same
+    fp32 per-K-block partial products, accumulated over blocks in the same order. One batched GEMM
+    per K block keeps the exported graph small (a per-expert loop multiplies the node count by E).
+    """
+    if w_deq.dim() != 3 or w_deq.dtype != torch.float32 or x.shape[-1] != w_deq.shape[-1]:
+        raise ValueError(f"experts_linear: need x [..., K] and fp32 w [E, N, K], got {tuple(x.shape)} {w_deq.dtype} {tuple(w_deq.shape)}")
+    e, n, k = w_deq.shape
+    _check_blocks(w_deq, block, "experts_linear")
+    q, s = act_quant(x, block)
+    a = _scale_blocks(q.float(), s, block)
+    m = a.shape[-2]
+    a = pad_rows(a) if a.dim() == 2 else torch.cat([a, a.new_zeros(e, max(0, MIN_GEMM_ROWS - m), k)], dim=1)
+    wt = w_deq.view(e, n, k // block, block)
+    order = range(k // block - 1, -1, -1) if reverse_blocks else range(k // block)
+    acc = None
+    for b in order:
+        p = torch.matmul(a[..., b * block:(b + 1) * block], wt[:, :, b].transpose(1, 2))
+        acc = p if acc is None else acc + p
+    return acc[:, :m].to(torch.bfloat16)
