@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from dsneuron.runtime_min.bundle import file_sha256
+
 ENV_VAR = "DSNEURON_CACHE_DIR"
 MARKER = "COMPLETE"
 _KEY_FORMAT = 1  # bump when the key's ingredients change
@@ -124,14 +126,6 @@ def source_digest(*folders: Path) -> str:
     for folder in folders:
         for p in sorted(Path(folder).rglob("*.py")):
             h.update(p.relative_to(folder).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
     return h.hexdigest()
 
 

@@ -112,11 +112,12 @@ def verify_files(root: Path, manifest: Manifest) -> None:
         size = path.stat().st_size
         if size != meta["size"]:
             raise BundleError(f"bundle file {rel} has {size} bytes, the manifest records {meta['size']} (tampered or truncated)")
-        if _sha256(path) != meta["sha256"]:
+        if file_sha256(path) != meta["sha256"]:
             raise BundleError(f"bundle file {rel} does not match its sha256 in the manifest (tampered or corrupted)")
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks (bundle checksums and compile-cache markers)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
