@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsneuron.graphs.config import ConfigError, ModelConfig, _coerce
+from dsneuron.graphs.config import ConfigError, ModelConfig, _coerce, check_keys
 
 PACKAGED = Path(__file__).parent / "configs"
 
@@ -39,15 +39,7 @@ class CompileConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a JSON object")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - set(fields))
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
-        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in raw]
-        if missing:
-            raise ConfigError(f"{where}.{missing[0]}: missing required key")
+        fields = check_keys(cls, raw, where)
         values = {}
         for name, f in fields.items():
             if name not in raw:

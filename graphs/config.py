@@ -95,15 +95,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "model") -> "ModelConfig":
         """Build and validate from the JSON object `raw`; unknown and missing keys are errors."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - set(fields))
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
-        missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in raw]
-        if missing:
-            raise ConfigError(f"{where}.{missing[0]}: missing required key" + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""))
+        fields = check_keys(cls, raw, where)
         values: dict[str, Any] = {}
         for name, f in fields.items():
             if name not in raw:
@@ -247,6 +239,22 @@ class ModelConfig:
             need(self.dspark_markov_rank > 0, "dspark_markov_rank", "must be > 0")
         for key in ("bos_token_id", "eos_token_id", "dspark_noise_token_id"):
             need(0 <= getattr(self, key) < self.vocab_size, key, f"must be < vocab_size={self.vocab_size}")
+
+
+def check_keys(cls: type, raw: Any, where: str) -> dict[str, dataclasses.Field]:
+    """The fields of dataclass `cls` after checking that `raw` is a JSON object with no unknown key
+    and every required key. Raises ConfigError naming `<where>.<key>`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in raw]
+    if missing:
+        also = f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(f"{where}.{missing[0]}: missing required key{also}")
+    return fields
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:

@@ -323,3 +323,17 @@ def shared_bundle() -> tuple[Path, Kit]:
                              console=Console(file=io.StringIO()))
         _SHARED["bundle"] = (out, kit)
     return _SHARED["bundle"]
+
+
+def run_cli(monkeypatch, *args) -> int:
+    """Run `dsneuron ARGS` in-process through the console-script entry point; returns its exit code."""
+    import sys
+
+    from dsneuron.compiler import cli
+
+    monkeypatch.setattr(sys, "argv", ["dsneuron", *args])
+    try:
+        cli.main()
+    except SystemExit as e:
+        return e.code
+    return 0

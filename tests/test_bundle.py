@@ -10,7 +10,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 from rich.console import Console
 
 import stand_in
-from dsneuron.compiler import backend_cpu, cli
+from stand_in import run_cli
+from dsneuron.compiler import backend_cpu
 from dsneuron.compiler import compile as pipeline
 from dsneuron.compiler.bundle_writer import OutputExistsError
 from dsneuron.compiler.cache import normalised_graph
@@ -31,15 +31,6 @@ from dsneuron.runtime_min.schema import SCHEMA_VERSION, BundleError, Manifest
 from dsneuron.runtime_min.session import Session
 
 QUIET = Console(file=io.StringIO())
-
-
-def run_cli(monkeypatch, *args) -> int:
-    monkeypatch.setattr(sys, "argv", ["dsneuron", *args])
-    try:
-        cli.main()
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

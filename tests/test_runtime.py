@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 
 import stand_in
+from stand_in import run_cli
 from dsneuron import UserError
-from dsneuron.compiler import cli
 from dsneuron.runtime_min.sampling import sample
 from dsneuron.runtime_min.schema import BundleError, TensorSpec
 from dsneuron.runtime_min.session import Session, TextStream, resize_state
@@ -189,15 +188,6 @@ def test_resize_state_grows_and_shrinks_one_dimension():
 
 
 # ------------------------------------------------------------------------------------------ CLI
-def run_cli(monkeypatch, *args) -> int:
-    monkeypatch.setattr(sys, "argv", ["dsneuron", *args])
-    try:
-        cli.main()
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
 def test_cli_run_streams_the_generation(monkeypatch, capsys, bundle, session):
     code = run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "hi", "--max-new-tokens", "5")
     out = capsys.readouterr().out
