@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,28 +46,39 @@ def default_cache_dir() -> Path:
 
 
 def normalise_flags(flags: dict[str, Any] | str | list[str]) -> list[str]:
-    """Backend flags in canonical form: one "name value" string per flag, sorted.
+    """Backend flags in canonical form: one "name value" string per flag occurrence, sorted.
 
     A dict (Inductor config) gives "key=json(value)". A command-line string or token list (neuronx-cc)
-    is split shell-style; a token starting with "-" opens a flag and following non-flag tokens are
-    its value ("--lnc 2", "--lnc=2" and "--lnc  2" agree); a repeated flag keeps its last value, as
-    compilers read them. Sorting makes the order irrelevant.
+    is split shell-style; a token starting with "-" (and not a number) opens a flag and following
+    non-flag tokens are its value ("--lnc 2", "--lnc=2" and "--lnc  2" agree; runs of whitespace
+    inside a quoted value count as one space). A flag given several times keeps every occurrence, in
+    order: some compiler options accumulate (neuronx-cc --tensorizer-options), so dropping one is a
+    flag change and must change the key; for single-valued flags this only costs a recompile.
+    Sorting by flag name (stable) makes the order of different flags irrelevant.
     """
     if isinstance(flags, dict):
         return sorted(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in flags.items())
     tokens = shlex.split(flags) if isinstance(flags, str) else [t for f in flags for t in shlex.split(f)]
-    groups: dict[str, list[str]] = {}
-    current: str | None = None
+    groups: list[tuple[str, list[str]]] = []
     for tok in tokens:
-        if tok.startswith("-"):
+        if tok.startswith("-") and not _is_number(tok):
             name, eq, value = tok.partition("=")
-            current = name
-            groups[name] = [value] if eq else []
-        elif current is None:
-            groups.setdefault("", []).append(tok)
+            groups.append((name, [" ".join(value.split())] if eq else []))
+        elif not groups:
+            groups.append(("", [tok]))
         else:
-            groups[current].append(tok)
-    return sorted(" ".join([name, *vals]).strip() for name, vals in groups.items())
+            groups[-1][1].append(" ".join(tok.split()))
+    # shell quoting keeps "--opt 'a b'" (one value) apart from "--opt a b" (two)
+    return [shlex.join([name, *vals] if name else vals) for name, vals in sorted(groups, key=lambda g: g[0])]
+
+
+def _is_number(token: str) -> bool:
+    """"-1" or "-0.5" is a value, not a flag."""
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def normalised_graph(program: torch.export.ExportedProgram) -> str:
@@ -119,12 +130,14 @@ def pre_key(fingerprint: str, bucket: dict[str, Any], weights_digest: str, flags
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-def source_digest(*folders: Path) -> str:
+def source_digest(*folders: Path, exclude: Callable[[Path], bool] | None = None) -> str:
     """sha256 over the relative paths and contents of the .py files under `folders` (not their
-    location, so two checkouts agree)."""
+    location, so two checkouts agree), leaving out those whose folder-relative path `exclude` names."""
     h = hashlib.sha256()
     for folder in folders:
         for p in sorted(Path(folder).rglob("*.py")):
+            if exclude is not None and exclude(p.relative_to(folder)):
+                continue
             h.update(p.relative_to(folder).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 

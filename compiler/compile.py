@@ -84,7 +84,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     console = console or Console(stderr=True)
     check_target(target)
     if target != "cpu":
-        raise ConfigError(f"--target {target}: the neuron backend is not part of this build yet (issue 8); use --target cpu")
+        from . import backend_neuron  # imports the SDK only inside its per-bucket compile step
+
+        return backend_neuron.compile_bundle(model_cfg, compile_cfg, out, parts, force=force, cache_dir=cache_dir,
+                                             flags=flags, console=console)
     plan = plan_buckets(compile_cfg, model_cfg)
     out = Path(out)
     check_output(out, force)

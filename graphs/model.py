@@ -40,38 +40,43 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch._higher_order_ops.while_loop import while_loop
 from torch import nn
 
 import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
-from .quant import act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
+from .quant import GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
 
 
 # ----------------------------------------------------------------------------------------- options
 class _Numerics:
-    """Process-wide numeric switches for the eager golden (never set inside exported graphs).
+    """Process-wide numeric switch read while a step runs or is traced (plain Python, never a graph input).
 
-    reverse_gemm_blocks: sum the K blocks of every block-scaled GEMM in descending order. The golden
-    compared with itself under this switch is the numeric floor of the comparison (issue 6).
+    gemm_order: how every block-scaled GEMM sums its K blocks (`graphs.quant.GEMM_ORDERS`):
+    "ascending" is the kernels' order and the eager golden's; "descending" is the golden's numeric
+    floor (issue 6); "fused" (one fp32 GEMM over the whole K) is what the exported steps trace.
     """
 
-    reverse_gemm_blocks: bool = False
+    gemm_order: str = "ascending"
 
 
 NUMERICS = _Numerics()
 
 
 @contextmanager
-def reversed_gemm_blocks():
-    """Run the model with every block-scaled GEMM summing its K blocks in reverse order."""
-    prev = NUMERICS.reverse_gemm_blocks
-    NUMERICS.reverse_gemm_blocks = True
+def gemm_order(order: str):
+    """Run (or trace) the model with every block-scaled GEMM summing its K blocks in `order`.
+    Raises ValueError for an order not in GEMM_ORDERS."""
+    if order not in GEMM_ORDERS:
+        raise ValueError(f"gemm_order: order must be one of {GEMM_ORDERS}, got {order!r}")
+    prev = NUMERICS.gemm_order
+    NUMERICS.gemm_order = order
     try:
         yield
     finally:
-        NUMERICS.reverse_gemm_blocks = prev
+        NUMERICS.gemm_order = prev
 
 
 @dataclass
@@ -130,7 +135,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
-            return fp8_linear(x, w, self.block, NUMERICS.reverse_gemm_blocks)
+            return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
         return rows_stable_linear(x.to(self.weight.dtype), self.weight)
 
 
@@ -217,9 +222,17 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+
+    def more(i: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return i < iters - 1
+
+    def normalise(i: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        return i + 1, c / (c.sum(dim=-2, keepdim=True) + eps)
+
+    # a loop op, not an unrolled Python loop: the rounds would be a fifth of the exported graph's
+    # nodes, and the compile time grows with the node count
+    _, comb = while_loop(more, normalise, (torch.zeros((), dtype=torch.int64), comb))
     return pre, post, comb
 
 
@@ -631,15 +644,15 @@ class MoE(nn.Module):
     def _all_experts(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, as Expert.forward computes it per expert: x bf16 [N, D],
         weights fp32 [E, N, 1] (0 where not routed) -> bf16 [E, N, D]."""
-        rev = NUMERICS.reverse_gemm_blocks
-        gate = experts_linear(x, self._stacked("w1"), reverse_blocks=rev).float()
-        up = experts_linear(x, self._stacked("w3"), reverse_blocks=rev).float()
+        order = NUMERICS.gemm_order
+        gate = experts_linear(x, self._stacked("w1"), order=order).float()
+        up = experts_linear(x, self._stacked("w3"), order=order).float()
         limit = self.experts[0].limit
         if limit > 0:
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)
         h = weights * (F.silu(gate) * up)
-        return experts_linear(h.to(x.dtype), self._stacked("w2"), reverse_blocks=rev)
+        return experts_linear(h.to(x.dtype), self._stacked("w2"), order=order)
 
 
 # ----------------------------------------------------------------------------------------- engram

@@ -295,7 +295,10 @@ def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) ->
     if tuple(scale.shape) != expected:
         raise ValueError(f"dequant_fp8_weight: scale shape must be {expected} for w {(n, k)} and block {block}, "
                          f"got {tuple(scale.shape)}")
-    s = ue8m0_to_float(scale).repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    s = ue8m0_to_float(scale)
+    if n % block == 0 and k % block == 0:  # broadcast instead of materialising the expanded scales
+        return (w.float().view(n // block, block, k // block, block) * s[:, None, :, None]).view(n, k)
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return w.float() * s
 
 
@@ -349,23 +352,34 @@ def _fp4_byte_table(device: torch.device) -> torch.Tensor:
     return fp4_codes_to_float(codes).to(device)
 
 
-def block_scaled_matmul(
-    a: torch.Tensor, w: torch.Tensor, block: int = 32, reverse_blocks: bool = False
-) -> torch.Tensor:
+#: How a block-scaled GEMM sums its K blocks (see `block_scaled_matmul`).
+GEMM_ORDERS = ("ascending", "descending", "fused")
+
+
+def _check_order(order: str, fn: str) -> None:
+    if order not in GEMM_ORDERS:
+        raise ValueError(f"{fn}: order must be one of {GEMM_ORDERS}, got {order!r}")
+
+
+def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
     """Block-scaled GEMM reference: y = a @ w.T as an fp32 sum of per-K-block fp32 partial products.
 
     a: fp32 [..., K], already dequantised (e4m3 value * its power-of-two scale). w: fp32 [N, K],
     dequantised. Returns fp32 [..., N].
     For each K block of `block` columns, the partial (a_blk @ w_blk.T) is an fp32 matmul. The
-    partials are added, starting from 0, in ascending block order, or in descending order when
-    `reverse_blocks` is set; the descending order measures the numeric floor. Every scale is a power
+    partials are added, starting from 0, in ascending block order (order "ascending", the kernel's
+    order and the golden's), or in descending order ("descending", which measures the numeric floor).
+    Order "fused" is one fp32 GEMM over the whole K whose summation order the GEMM library picks: the
+    same exact products (every operand is e4m3/e2m1 times a power of two) summed in another order,
+    i.e. a difference of the floor's kind. The compiled steps use it: one GEMM node per projection
+    instead of K/block partial products and adds, which is most of the graph. Every scale is a power
     of two, so scaling before the per-block product is exact. This therefore equals the kernels'
     `C += (A_k W_k^T) * a_s * w_s` accumulation, except for the summation order inside one block.
     Memory: one batched matmul holds all partials at once, 4 * (K/block) * M * N bytes with M the
     product of the leading dims. That is 512 MiB for M = 4096, N = 1024, K = 1024 and block 32, so
     callers chunk long prefills over rows (rows are independent).
     Assumes fp32 CPU matmuls run in IEEE fp32 (torch's default; no bf16/tf32 math mode).
-    Raises ValueError for non-fp32 inputs, mismatched K or K % block != 0.
+    Raises ValueError for non-fp32 inputs, mismatched K, K % block != 0 or an unknown order.
     Source: reference/deepseek_v4_arch.md section 2 (fp8_gemm, fp4_gemm); DeepSeek-V4-Pro:inference/
     kernel.py `fp8_gemm_kernel` (per-block C_local, then scaled accumulation into C_local_accum).
     """
@@ -376,6 +390,9 @@ def block_scaled_matmul(
             f"block_scaled_matmul: need a [..., K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}"
         )
     _check_blocks(w, block, "block_scaled_matmul")
+    _check_order(order, "block_scaled_matmul")
+    if order == "fused":
+        return rows_stable_linear(a, w)
     lead, (n, k) = a.shape[:-1], w.shape
     kb = k // block
     a_rows = a.reshape(-1, k)
@@ -384,10 +401,10 @@ def block_scaled_matmul(
     a_blocks = a_rows.reshape(-1, kb, block).transpose(0, 1)  # [KB, M', block]
     w_blocks = w.reshape(n, kb, block).permute(1, 2, 0)  # [KB, block, N]
     partials = torch.bmm(a_blocks, w_blocks)  # [KB, M, N]
-    order = range(kb - 1, -1, -1) if reverse_blocks else range(kb)
+    blocks = range(kb - 1, -1, -1) if order == "descending" else range(kb)
     # the kernel clears its accumulator and adds every block; an explicit loop pins that order
     acc = partials.new_zeros(partials.shape[1:])
-    for i in order:
+    for i in blocks:
         acc = acc + partials[i]
     return acc[:m].reshape(*lead, n)
 
@@ -419,15 +436,13 @@ def rows_stable_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.linear(pad_rows(rows), w)[:m].reshape(*lead, w.shape[0])
 
 
-def fp8_linear(
-    x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, reverse_blocks: bool = False
-) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
     """The model's `linear()` for FP8 and FP4 weights: FP8 activation QDQ, block-scaled GEMM, bf16 out.
 
     x: [..., K] bfloat16 (float32/float16 accepted). w_deq: fp32 [N, K], the dequantised weight
     (`dequant_fp8_weight` or `dequant_fp4_weight`). The activation becomes float(q) * s in fp32
     through `act_quant(x, block)`, without an intermediate bf16 rounding. It then goes through
-    `block_scaled_matmul(..., block, reverse_blocks)`, and the fp32 result is cast to bf16, the
+    `block_scaled_matmul(..., block, order)`, and the fp32 result is cast to bf16, the
     reference's default dtype. Returns bfloat16 [..., N].
     V4.1 uses block 32 for both FP8 weights and FP4 experts, so the activation blocks and the
     weight K blocks coincide. For V4 FP4 experts (activation block 128, weight scales per 32), call
@@ -437,29 +452,33 @@ def fp8_linear(
     """
     q, s = act_quant(x, block)
     a = _scale_blocks(q.float(), s, block)
-    return block_scaled_matmul(a, w_deq, block, reverse_blocks).to(torch.bfloat16)
+    return block_scaled_matmul(a, w_deq, block, order).to(torch.bfloat16)
 
 
-def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, reverse_blocks: bool = False) -> torch.Tensor:
+def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
     """`fp8_linear` for a stack of experts at once: x bf16 [M, K] (shared input) or [E, M, K], w_deq
     fp32 [E, N, K] -> bf16 [E, M, N].
 
     Bit-identical to `fp8_linear(x[e], w_deq[e])` per expert: the same 1x32 activation QDQ, the same
     fp32 per-K-block partial products, accumulated over blocks in the same order. One batched GEMM
-    per K block keeps the exported graph small (a per-expert loop multiplies the node count by E).
+    per K block keeps the exported graph small (a per-expert loop multiplies the node count by E);
+    order "fused" is one batched GEMM over the whole K (see `block_scaled_matmul`).
     """
     if w_deq.dim() != 3 or w_deq.dtype != torch.float32 or x.shape[-1] != w_deq.shape[-1]:
         raise ValueError(f"experts_linear: need x [..., K] and fp32 w [E, N, K], got {tuple(x.shape)} {w_deq.dtype} {tuple(w_deq.shape)}")
     e, n, k = w_deq.shape
     _check_blocks(w_deq, block, "experts_linear")
+    _check_order(order, "experts_linear")
     q, s = act_quant(x, block)
     a = _scale_blocks(q.float(), s, block)
     m = a.shape[-2]
     a = pad_rows(a) if a.dim() == 2 else torch.cat([a, a.new_zeros(e, max(0, MIN_GEMM_ROWS - m), k)], dim=1)
+    if order == "fused":
+        return torch.matmul(a, w_deq.transpose(1, 2))[:, :m].to(torch.bfloat16)
     wt = w_deq.view(e, n, k // block, block)
-    order = range(k // block - 1, -1, -1) if reverse_blocks else range(k // block)
+    blocks = range(k // block - 1, -1, -1) if order == "descending" else range(k // block)
     acc = None
-    for b in order:
+    for b in blocks:
         p = torch.matmul(a[..., b * block:(b + 1) * block], wt[:, :, b].transpose(1, 2))
         acc = p if acc is None else acc + p
     return acc[:, :m].to(torch.bfloat16)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Capture, Transformer
+from .model import Capture, Transformer, gemm_order
 
 
 def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -92,13 +92,16 @@ def decode(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, engram_i
 class PrefillStep(nn.Module):
     """Exportable prefill at a fixed (batch, seq_len) bucket; weights are `model`'s parameters.
 
+    order: the K-block order of every block-scaled GEMM (graphs.model.gemm_order); "fused" by
+    default, one GEMM node per projection, which keeps the graph (and its compile time) small.
+
     forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])
         -> (logits fp32 [B,V], *state tensors in state_layout order)
     """
 
-    def __init__(self, model: Transformer, batch: int, seq_len: int):
+    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused"):
         super().__init__()
-        self.model, self.batch, self.seq_len = model, batch, seq_len
+        self.model, self.batch, self.seq_len, self.order = model, batch, seq_len, order
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -108,20 +111,22 @@ class PrefillStep(nn.Module):
                 torch.zeros(B, S, E, C, dtype=torch.int64))
 
     def forward(self, tokens, valid_len, engram_ids):
-        logits, state = prefill(self.model, tokens, valid_len, engram_ids)
+        with gemm_order(self.order):
+            logits, state = prefill(self.model, tokens, valid_len, engram_ids)
         return (logits, *[state[n] for n in self.state_names])
 
 
 class DecodeStep(nn.Module):
-    """Exportable decode of one token per row at a fixed batch and the model's context capacity.
+    """Exportable decode of one token per row at a fixed batch and the model's context capacity
+    (order as in PrefillStep).
 
     forward(tokens int64 [B,1], pos int64 [B], engram_ids int64 [B,1,E,C], *state)
         -> (logits fp32 [B,V], *state')
     """
 
-    def __init__(self, model: Transformer, batch: int):
+    def __init__(self, model: Transformer, batch: int, order: str = "fused"):
         super().__init__()
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.order = model, batch, order
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -133,5 +138,6 @@ class DecodeStep(nn.Module):
 
     def forward(self, tokens, pos, engram_ids, *state_tensors):
         state = dict(zip(self.state_names, state_tensors))
-        logits, new = decode(self.model, tokens, pos, engram_ids, state)
+        with gemm_order(self.order):
+            logits, new = decode(self.model, tokens, pos, engram_ids, state)
         return (logits, *[new[n] for n in self.state_names])

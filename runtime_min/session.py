@@ -24,8 +24,10 @@ concatenate to its returned text.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -37,7 +39,23 @@ from .executor_cpu import CpuExecutable, register_custom_ops
 from .sampling import check_params, sample
 from .schema import Bucket, BundleError, StateEntry, TensorSpec
 
+if TYPE_CHECKING:
+    from .executor_neuron import NeuronExecutable
+
 DATA_INPUTS = ("tokens", "valid_len", "pos", "engram_ids")
+#: outputs named "probe.<stage>" are stage tensors of a probe bundle (`dsneuron compile --probes`), not state
+PROBE_PREFIX = "probe."
+
+
+@dataclass
+class StepResult:
+    """One step of `Session.teacher_forced`: logits fp32 [V] of row 0, its stage probes (empty unless
+    the bundle was compiled with probes; names without the prefix, batch row 0), and the wall time in
+    seconds of the executable call alone."""
+
+    logits: torch.Tensor
+    probes: dict[str, torch.Tensor]
+    seconds: float
 
 
 class TextStream:
@@ -103,16 +121,20 @@ class Session:
 
     def __init__(self, bundle: Bundle):
         m = bundle.manifest
-        if m.target != "cpu":
-            raise BundleError(f"target {m.target!r}: this runtime has no executor for it yet (cpu only)")
+        if m.target == "cpu":
+            register_custom_ops(m.compiler.get("custom_ops", {}))
+            self._make: Callable[..., CpuExecutable | NeuronExecutable] = CpuExecutable
+        else:  # open_bundle admits only known targets; the NEFFs are checked for this host here
+            from .executor_neuron import NeuronExecutor
+
+            self._make = NeuronExecutor(bundle.root, m)
         self.bundle = bundle
         self.manifest = m
         self.weights = bundle.load_weights()
         self.tokenizer = _load_tokenizer(bundle)
         self.fills = {s.name: s for s in m.state}
-        register_custom_ops(m.compiler.get("custom_ops", {}))
         self._buckets = {(b.kind, b.batch, b.length): b for b in m.buckets}
-        self._loaded: dict[tuple[str, int, int], CpuExecutable] = {}
+        self._loaded: dict[tuple[str, int, int], CpuExecutable | NeuronExecutable] = {}
         self.batch_sizes = sorted({b.batch for b in m.buckets if b.kind == "prefill"})
         cols = {tuple(s.shape[2:]) for b in m.buckets for s in b.inputs if s.name == "engram_ids"}
         self.engram_cols = max(cols, default=(0, 0))
@@ -132,11 +154,11 @@ class Session:
     def _lengths(self, kind: str, batch: int) -> list[int]:
         return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
 
-    def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable:
+    def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
         key = (kind, batch, length)
         if key not in self._loaded:
             b = self._buckets[key]
-            self._loaded[key] = CpuExecutable(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
+            self._loaded[key] = self._make(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
         return self._loaded[key]
 
     @property
@@ -245,6 +267,47 @@ class Session:
                 stream(i, piece)
         return generated
 
+    def teacher_forced(self, ids: Sequence[int], n_prompt: int) -> list[StepResult]:
+        """Prefill ids[:n_prompt] at batch 1, then decode ids[n_prompt:] one token per step (teacher
+        forcing: the given ids are fed whatever the logits say). Returns len(ids) - n_prompt + 1
+        results: the prefill's (prediction after the prompt) and one per decoded id.
+        Raises UserError when n_prompt is not in 1..len(ids), the prompt exceeds the largest prefill
+        bucket, or len(ids) exceeds the context capacity.
+        """
+        ids = [int(t) for t in ids]
+        if not 1 <= n_prompt <= len(ids):
+            raise UserError(f"n_prompt must be in 1..{len(ids)} (the sequence length), got {n_prompt}")
+        if len(ids) > self.max_capacity:
+            raise UserError(f"sequence of {len(ids)} tokens exceeds the context capacity of this bundle, "
+                            f"{self.max_capacity} tokens (compile.decode_context_lens)")
+        batch = select.pick_batch(self.batch_sizes, 1)
+        seq_len = select.pick_prefill(self._lengths("prefill", batch), n_prompt)
+        tokens, valid = select.pad_prompts([ids[:n_prompt]], batch, seq_len, self.manifest.tokenizer.pad_token_id)
+        engram = history = None
+        if self.hasher is not None:
+            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
+        exe = self._executable("prefill", batch, seq_len)
+        args = self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, self._state_for(exe.bucket, {}))
+        results, state = [], {}
+        for p in range(n_prompt, len(ids) + 1):
+            if p > n_prompt:
+                feed = torch.full((batch, 1), self.manifest.tokenizer.pad_token_id, dtype=torch.int64)
+                feed[0, 0] = ids[p - 1]
+                pos = torch.zeros(batch, dtype=torch.int64)
+                pos[0] = p - 1
+                if self.hasher is not None:
+                    engram, history = self.hasher.hash(feed, history)
+                exe = self._executable("decode", batch, select.pick_capacity(self._lengths("decode", batch), p))
+                args = self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, self._state_for(exe.bucket, state))
+            t0 = time.perf_counter()
+            outs = exe.run(args)
+            seconds = time.perf_counter() - t0
+            state = self._collect(exe.bucket, outs)
+            probes = {spec.name[len(PROBE_PREFIX):]: t[0] for spec, t in zip(exe.bucket.outputs, outs)
+                      if spec.name.startswith(PROBE_PREFIX)}
+            results.append(StepResult(outs[0][0], probes, seconds))
+        return results
+
     def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""
         out = {}
@@ -271,7 +334,7 @@ class Session:
 
     @staticmethod
     def _collect(bucket: Bucket, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {spec.name: t for spec, t in zip(bucket.outputs[1:], outs[1:])}
+        return {spec.name: t for spec, t in zip(bucket.outputs[1:], outs[1:]) if not spec.name.startswith(PROBE_PREFIX)}
 
 
 def _load_tokenizer(bundle: Bundle):

@@ -7,17 +7,22 @@ import importlib.util
 import io
 import json
 import multiprocessing
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 
 import stand_in
 from dsneuron.compiler import backend_cpu
 from dsneuron.compiler import compile as pipeline
 from dsneuron.compiler.cache import (ENV_VAR, MARKER, CompileCache, cache_key, default_cache_dir, file_sha256,
-                                     normalise_flags, normalised_graph)
+                                     normalise_flags, normalised_graph, source_digest)
 from dsneuron.runtime_min.bundle import host_toolchain
 
 QUIET = Console(file=io.StringIO())
@@ -93,7 +98,9 @@ def test_flag_normalisation_ignores_order_and_spacing():
     assert normalise_flags(["--lnc", "2", "-O1"]) == normalise_flags("-O1 --lnc=2")
     assert normalise_flags({"b": 1, "a": [1, 2]}) == normalise_flags({"a": [1, 2], "b": 1})
     assert normalise_flags("-O1 --lnc 2") != normalise_flags("-O2 --lnc 2")
-    assert normalise_flags("--lnc 1 --lnc 2") == normalise_flags("--lnc 2")  # the last value wins
+    # a repeated flag keeps every occurrence: accumulating options (--tensorizer-options) must not
+    # collapse, so dropping one changes the key
+    assert normalise_flags("--tensorizer-options=a --tensorizer-options=b") != normalise_flags("--tensorizer-options=b")
     assert normalise_flags("--auto-cast none") != normalise_flags("--auto-cast all")
 
 
@@ -226,3 +233,173 @@ def test_real_recompile_with_the_same_cache_compiles_nothing(tmp_path, monkeypat
     first = json.loads((bundle / "manifest.json").read_text())["files"]
     second = json.loads((again / "manifest.json").read_text())["files"]
     assert first == second  # same executables, weights and tokenizer, byte for byte
+
+
+# ------------------------------------------------------------------------------------------ key properties
+FLAG_NAME = st.from_regex(r"--[a-z][a-z0-9-]{0,10}", fullmatch=True)
+FLAG_VALUE = st.one_of(st.none(), st.from_regex(r"[A-Za-z0-9_.,:]{1,8}", fullmatch=True))
+FLAG_SETS = st.dictionaries(FLAG_NAME, FLAG_VALUE, min_size=1, max_size=6)
+
+
+def render(flags: dict, data, as_list: bool = False) -> str | list[str]:
+    """`flags` ({name: value or None}) as a command line: a random order, `--n=v` or `--n v`, and
+    random runs of spaces between tokens."""
+    items = data.draw(st.permutations(sorted(flags.items())))
+    tokens = []
+    for name, value in items:
+        if value is None:
+            tokens.append(name)
+        elif data.draw(st.booleans()):
+            tokens.append(f"{name}={value}")
+        else:
+            tokens += [name, value]
+    if as_list:
+        return tokens
+    return "".join(t + " " * data.draw(st.integers(1, 3)) for t in tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(flags=FLAG_SETS, data=st.data())
+def test_flag_order_spelling_and_spacing_never_change_the_key(flags, data):
+    tc = {"torch": "2.13.0"}
+    keys = {cache_key("graph", render(flags, data, as_list=bool(i % 2)), tc, "neuron", "neuronx-cc") for i in range(4)}
+    assert len(keys) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(flags=FLAG_SETS, data=st.data())
+def test_any_flag_change_changes_the_key(flags, data):
+    tc = {"torch": "2.13.0"}
+    key = lambda f: cache_key("graph", render(f, data), tc, "neuron", "neuronx-cc")
+    base = key(flags)
+    name = data.draw(st.sampled_from(sorted(flags)))
+    value = flags[name]
+    variants = [{**flags, name: (value or "") + "x"},  # a value changed (or a bare flag given a value)
+                {n: v for n, v in flags.items() if n != name} or {"--other": None},  # a flag dropped
+                {**flags, name + "-extra": None}]  # a flag added
+    if value is not None:
+        variants.append({**flags, name: None})  # a value dropped
+    for changed in variants:
+        assert key(changed) != base, (flags, changed)
+    # a second occurrence of a flag is a change too (some options accumulate)
+    tokens = render(flags, data, as_list=True)
+    assert cache_key("graph", tokens + tokens[:1], tc, "neuron", "neuronx-cc") != base
+
+
+@settings(max_examples=40, deadline=None)
+@given(flags=st.dictionaries(st.from_regex(r"[a-z_.]{1,12}", fullmatch=True),
+                             st.one_of(st.booleans(), st.integers(-3, 3), st.text(max_size=4)), min_size=1, max_size=6),
+       data=st.data())
+def test_dict_flags_key_ignores_order_and_sees_values(flags, data):
+    tc = {"torch": "2.13.0"}
+    shuffled = dict(data.draw(st.permutations(list(flags.items()))))
+    assert cache_key("g", flags, tc, "cpu", "aot_inductor") == cache_key("g", shuffled, tc, "cpu", "aot_inductor")
+    name = data.draw(st.sampled_from(sorted(flags)))
+    assert cache_key("g", {**flags, name: [flags[name]]}, tc, "cpu", "aot_inductor") != \
+        cache_key("g", flags, tc, "cpu", "aot_inductor")
+
+
+@settings(max_examples=30, deadline=None)
+@given(graph=st.text(min_size=1, max_size=40), data=st.data())
+def test_key_sees_graph_target_toolchain_and_backend(graph, data):
+    tc = {"torch": "2.13.0", "neuronx_cc": "2.21"}
+    base = cache_key(graph, "-O1", tc, "neuron", "neuronx-cc")
+    assert base == cache_key(graph, "-O1", dict(reversed(list(tc.items()))), "neuron", "neuronx-cc")
+    others = [cache_key(graph + data.draw(st.text(min_size=1, max_size=3)), "-O1", tc, "neuron", "neuronx-cc"),
+              cache_key(graph, "-O1", tc, "cpu", "neuronx-cc"),
+              cache_key(graph, "-O1", {**tc, "neuronx_cc": "2.22"}, "neuron", "neuronx-cc"),
+              cache_key(graph, "-O1", tc, "neuron", "aot_inductor")]
+    assert base not in others
+
+
+# ------------------------------------------------------------------------------------------ shared cache, two checkouts
+def _compile_in_child(kit, root: str, name: str, barrier) -> None:
+    """Child process: compile the stand-in kit into its own output with the shared cache; the fake
+    backend (inherited through fork) holds every process at the barrier inside its first compile, so
+    both compile the same key at the same time and race to put it."""
+    waited = []
+
+    def fake(program, out, flags):
+        if not waited:
+            waited.append(barrier.wait(timeout=60))
+        out.write_text(normalised_graph(program))
+
+    backend_cpu.compile_cpu = fake
+    pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, Path(root) / name, kit.parts, cache_dir=Path(root) / "cache",
+                            console=QUIET)
+
+
+def test_two_concurrent_compiles_share_one_cache_directory(tmp_path):
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_compile_in_child, args=(kit, str(tmp_path), name, barrier)) for name in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    ma, mb = (json.loads((tmp_path / n / "manifest.json").read_text()) for n in ("a", "b"))
+    assert ma["files"] == mb["files"] and ma["buckets"] == mb["buckets"]
+    cache = CompileCache(tmp_path / "cache")
+    keys = sorted(b["cache_key"] for b in ma["buckets"])
+    assert sorted(p.name for p in (tmp_path / "cache" / "entries").iterdir()) == keys  # no temporary folders left
+    for key in keys:
+        got = cache.get(key)
+        assert got is not None and got.read_bytes() == (tmp_path / "a" / "buckets" / got.name).read_bytes()
+    assert not [p for p in (tmp_path / "cache" / "aliases").iterdir() if not p.name.endswith(".json")]
+
+
+KEYS_IN_CHECKOUT = '''
+import dataclasses, json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+sys.path[:0] = [str(root), str(root / "dsneuron" / "tests")]
+import dsneuron
+assert Path(dsneuron.__file__).resolve().is_relative_to(root.resolve()), dsneuron.__file__
+import stand_in
+from dsneuron.compiler import backend_cpu, backend_neuron, compile as pipeline
+from dsneuron.compiler.buckets import plan_buckets
+from dsneuron.compiler.cache import cache_key, normalised_graph, pre_key
+from dsneuron.runtime_min.bundle import host_toolchain
+kit = stand_in.make_kit(root / "kit", {"max_seq_len": 8, "decode_context_lens": [8]})
+pb = plan_buckets(kit.compile_cfg, kit.model_cfg).buckets[0]
+record, program = pipeline._export(kit.parts, pb, "cpu")
+flags, tc = backend_cpu.effective_flags(None), host_toolchain()
+kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": "stand_in:gated_mix"})
+nrecord, nprogram = backend_neuron._export(kit.parts, pb, kernels)
+nflags = ["--target=trn2", "-O1"]
+print(json.dumps({
+    "cpu": cache_key(normalised_graph(program), flags, tc, "cpu", backend_cpu.BACKEND),
+    "cpu_pre": pre_key(kit.parts.steps.fingerprint(), dataclasses.asdict(pb), pipeline._weights_digest(kit.parts.weights),
+                       flags, tc, "cpu", backend_cpu.BACKEND),
+    "neuron": cache_key(normalised_graph(nprogram), nflags, backend_neuron.key_toolchain(tc, kernels), "neuron",
+                        backend_neuron.BACKEND),
+    "paths_in_traces": str(root) in "".join(n.meta.get("stack_trace") or "" for n in program.graph.nodes),
+}))
+'''
+
+
+def test_two_checkouts_in_different_folders_give_the_same_keys(tmp_path):
+    """The package copied to two folders (as two clones would be): the cpu graph key, the pre-export
+    key and the neuron key agree, although the traced graphs carry each copy's source paths."""
+    repo = Path(__file__).resolve().parent.parent
+    roots = [tmp_path / "checkout", tmp_path / "somewhere" / "else" / "clone"]
+    for root in roots:
+        pkg = root / "dsneuron"
+        for part in ("compiler", "graphs", "kernels_nki", "runtime_min"):
+            shutil.copytree(repo / part, pkg / part, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(repo / "__init__.py", pkg / "__init__.py")
+        (pkg / "tests").mkdir()
+        shutil.copy(repo / "tests" / "stand_in.py", pkg / "tests" / "stand_in.py")
+    assert source_digest(roots[0] / "dsneuron" / "compiler") == source_digest(roots[1] / "dsneuron" / "compiler")
+    procs = [subprocess.Popen([sys.executable, "-c", KEYS_IN_CHECKOUT, str(root)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=root) for root in roots]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0]["paths_in_traces"] and outs[1]["paths_in_traces"]  # so the test can fail
+    for key in ("cpu", "cpu_pre", "neuron"):
+        assert outs[0][key] == outs[1][key], key

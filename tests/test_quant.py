@@ -560,7 +560,7 @@ def test_block_scaled_matmul_accumulation_order_hand_made():
     a[0, 32] = w[0, 32] = 1.0
     a[0, 64] = w[0, 64] = 1.0
     assert_bits(block_scaled_matmul(a, w), [[2.0**24]])
-    assert_bits(block_scaled_matmul(a, w, reverse_blocks=True), [[2.0**24 + 2]])
+    assert_bits(block_scaled_matmul(a, w, order="descending"), [[2.0**24 + 2]])
 
 
 @FAST
@@ -575,7 +575,7 @@ def test_block_scaled_matmul_bit_exact_when_partials_exact(seed, m, n, kb, rever
     w = rng.integers(-16, 17, (n, kb * block)).astype(np.float32)
     a *= np.repeat(np.exp2(rng.integers(-30, 31, (m, kb))), block, 1).astype(np.float32)
     w *= np.repeat(np.exp2(rng.integers(-30, 31, (n, kb))), block, 1).astype(np.float32)
-    out = block_scaled_matmul(torch.from_numpy(a)[None], torch.from_numpy(w), block, reverse)
+    out = block_scaled_matmul(torch.from_numpy(a)[None], torch.from_numpy(w), block, "descending" if reverse else "ascending")
     assert out.shape == (1, m, n)
     assert_bits(out[0], block_gemm_oracle(a, w, block, reverse))
 
@@ -612,6 +612,26 @@ def test_fp8_linear_hand_made():
     assert_bits(y.float(), [[17.0, 98.0]])
 
 
+@FAST
+@given(st.integers(0, 2**31 - 1), st.integers(1, 9), st.integers(1, 4), st.sampled_from([16, 32]))
+def test_fused_order_within_fp32_summation_bound(seed, m, kb, block):
+    """Order "fused" (one GEMM over the whole K, the compiled steps' choice) sums the same exact
+    products in the library's order: within K * 2^-24 * sum |a w| of the float64 oracle, and bit
+    for bit the blocked result when every partial sum is exact (small integers)."""
+    rng = np.random.default_rng(seed)
+    k = kb * block
+    a = np.clip(rng.standard_normal((m, k)) * 50, -448, 448).astype(E4M3).astype(np.float32)
+    w = np.clip(rng.standard_normal((5, k)) * 50, -448, 448).astype(E4M3).astype(np.float32)
+    out = block_scaled_matmul(torch.from_numpy(a), torch.from_numpy(w), block, "fused").numpy()
+    exact = a.astype(np.float64) @ w.astype(np.float64).T
+    assert (np.abs(out - exact) <= k * 2.0**-24 * (np.abs(a).astype(np.float64) @ np.abs(w).astype(np.float64).T)).all()
+    ai, wi = torch.from_numpy(np.rint(a / 64)), torch.from_numpy(np.rint(w / 64))
+    assert torch.equal(block_scaled_matmul(ai, wi, block, "fused"), block_scaled_matmul(ai, wi, block))
+    w3 = torch.from_numpy(np.stack([np.rint(w / 64)] * 2))
+    got = experts_linear(ai.bfloat16(), w3, block, "fused")
+    assert torch.equal(got[1], fp8_linear(ai.bfloat16(), w3[1], block))
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_fp8_linear_matches_oracle_activation(reverse):
     """The activation path, checked against the oracle's quantised activation: float(q) * s,
@@ -621,8 +641,9 @@ def test_fp8_linear_matches_oracle_activation(reverse):
     w = dequant_fp8_weight(*quantize_fp8_weight(torch.randn(40, 96, generator=g) / 10))
     codes, scales = act_quant_oracle(x.float().reshape(6, 96).numpy(), 32)
     a = codes.view(E4M3).astype(np.float32) * np.repeat(scales, 32, 1)
-    expected = block_scaled_matmul(torch.from_numpy(a), w, 32, reverse).to(torch.bfloat16).reshape(2, 3, 40)
-    y = fp8_linear(x, w, 32, reverse)
+    order = "descending" if reverse else "ascending"
+    expected = block_scaled_matmul(torch.from_numpy(a), w, 32, order).to(torch.bfloat16).reshape(2, 3, 40)
+    y = fp8_linear(x, w, 32, order)
     assert y.shape == (2, 3, 40)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
@@ -634,6 +655,8 @@ _Q8, _S8 = quantize_fp8_weight(torch.ones(40, 40))
 _P4, _S4 = quantize_fp4_weight(torch.ones(4, 64))
 
 BAD_INPUTS = [
+    ("GEMM order", lambda: block_scaled_matmul(torch.zeros(1, 32), torch.zeros(1, 32), 32, "random"), "order must be one of"),
+    ("experts GEMM order", lambda: experts_linear(torch.zeros(1, 32), torch.zeros(1, 1, 32), 32, "reverse"), "order must be one of"),
     ("act_quant K % block", lambda: act_quant(torch.zeros(2, 33)), "multiple of the block size 32, got 33"),
     ("act_quant V4 K % 128", lambda: act_quant_qdq(torch.zeros(1, 96), 128), "block size 128, got 96"),
     ("act_quant float64", lambda: act_quant(torch.zeros(2, 32, dtype=torch.float64)), "torch.float64"),
@@ -681,9 +704,9 @@ def test_experts_linear_equals_fp8_linear_per_expert():
     for M in (1, 13):
         x = torch.randn(M, K, generator=g).bfloat16()
         xe = torch.randn(E, M, K, generator=g).bfloat16()
-        for rev in (False, True):
-            got = experts_linear(x, w_deq, reverse_blocks=rev)
-            got_e = experts_linear(xe, w_deq, reverse_blocks=rev)
+        for order in ("ascending", "descending"):
+            got = experts_linear(x, w_deq, order=order)
+            got_e = experts_linear(xe, w_deq, order=order)
             for e in range(E):
-                assert torch.equal(got[e], fp8_linear(x, w_deq[e], reverse_blocks=rev))
-                assert torch.equal(got_e[e], fp8_linear(xe[e], w_deq[e], reverse_blocks=rev))
+                assert torch.equal(got[e], fp8_linear(x, w_deq[e], order=order))
+                assert torch.equal(got_e[e], fp8_linear(xe[e], w_deq[e], order=order))

@@ -1,0 +1,32 @@
+"""The prompts shipped with the package (compiler/prompts/*.txt), used by `dsneuron compare` and the
+benchmark: short (11 tokens), medium (172: wraps tiny's 128-token window) and long (715: tiny's
+candidate-block filter active), counted with the DeepSeek V4 tokenizer and BOS.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from dsneuron import UserError
+
+NAMES = ("short", "medium", "long")
+
+
+def default_prompts() -> list[tuple[str, str]]:
+    """[(name, text)] of the shipped prompts, in NAMES order."""
+    root = resources.files("dsneuron.compiler") / "prompts"
+    return [(name, (root / f"{name}.txt").read_text(encoding="utf-8")) for name in NAMES]
+
+
+def read_prompts(path: Path) -> list[tuple[str, str]]:
+    """Prompts from a file: one prompt per line (blank lines skipped), named by line number.
+    Raises UserError when the file is missing, unreadable as UTF-8, or holds no prompt."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts {path}: cannot read it ({e})") from None
+    prompts = [(f"line{i + 1}", line) for i, line in enumerate(lines) if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts {path}: no prompt in it (one prompt per non-blank line)")
+    return prompts

@@ -1,0 +1,514 @@
+"""The neuron target: NEFF header checks (runtime_min/neff.py), neuronx-cc flags and cache keys
+(compiler/backend_neuron.py), the fail-fast without the SDK, the bundle pipeline and the executor
+choice with a stand-in for the SDK seam, and SDK-gated tests that compile and run on Trainium.
+
+Every NEFF written here is a SYNTHETIC test file: a header laid out by hand from the documented
+struct (aws-neuron-sdk:neuron-runtime/explore/work-with-neff-files.rst) in front of a small gzip'd
+tar. Nothing here produces or claims a real NEFF.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import json
+import shutil
+import struct
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+import stand_in
+from stand_in import run_cli
+from dsneuron.compiler import backend_neuron
+from dsneuron.compiler import compile as pipeline
+from dsneuron.compiler.cache import cache_key, normalised_graph
+from dsneuron.compiler.export import CompileError
+from dsneuron.graphs.config import ConfigError
+from dsneuron.runtime_min import bundle as bundle_mod
+from dsneuron.runtime_min.bundle import missing_packages, open_bundle
+from dsneuron.runtime_min.executor_neuron import NeuronExecutor, check_sdk_versions, neff_records
+from dsneuron.runtime_min.neff import (HEADER_SIZE, NeffError, NeffRecord, check_header, host_lnc, parse_header,
+                                       read_header, verify_neff)
+from dsneuron.runtime_min.schema import BundleError, Manifest
+from dsneuron.runtime_min.session import Session
+
+QUIET = Console(file=io.StringIO())
+
+# Field offsets of the NEFF header, added up by hand from the documented struct (8+8+8+8+8 = 40,
+# +128 = 168, +4 = 172, +32 = 204, +16 = 220, +256 = 476, +4 = 480, +64 = 544, +8 = 552, +4 = 556,
+# + 468 bytes of padding = 1024). Independent of runtime_min/neff.py's struct format.
+U64 = {"pkg_version": 0, "header_size": 8, "data_size": 16, "neff_version_major": 24, "neff_version_minor": 32,
+       "feature_bits": 544}
+U32 = {"num_tpb": 168, "requested_tpb_count": 476, "lnc_size": 552}
+BYTES = {"build_version": (40, 128), "hash": (172, 32), "uuid": (204, 16), "name": (220, 256),
+         "tpb_per_node": (480, 64)}
+
+
+def synthetic_payload(note: str = "") -> bytes:
+    """A gzip'd tar with one JSON member: stands in for the NEFF tarball (tests only)."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        body = json.dumps({"synthetic test file, not a NEFF": True, "note": note}).encode()
+        info = tarfile.TarInfo("neff.json")
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def synthetic_header(data_size: int, **fields) -> bytes:
+    """1024 header bytes; `fields` override the defaults (names as in the struct)."""
+    values = {"pkg_version": 3, "header_size": HEADER_SIZE, "data_size": data_size, "neff_version_major": 2,
+              "neff_version_minor": 0, "feature_bits": 0, "num_tpb": 1, "requested_tpb_count": 1, "lnc_size": 1,
+              "build_version": b"synthetic-test", "hash": b"\x11" * 32, "uuid": b"\x22" * 16,
+              "name": b"synthetic", "tpb_per_node": b"\x01", **fields}
+    buf = bytearray(HEADER_SIZE)
+    for name, off in U64.items():
+        struct.pack_into("<Q", buf, off, values[name])
+    for name, off in U32.items():
+        struct.pack_into("<I", buf, off, values[name])
+    for name, (off, size) in BYTES.items():
+        raw = values[name]
+        assert len(raw) <= size
+        buf[off:off + len(raw)] = raw
+    return bytes(buf)
+
+
+def write_synthetic_neff(path: Path, note: str = "", **fields) -> Path:
+    payload = synthetic_payload(note)
+    path.write_bytes(synthetic_header(fields.pop("data_size", len(payload)), **fields) + payload)
+    return path
+
+
+RECORD = NeffRecord(flags=("--target=trn2",), lnc_size=1, feature_bits=0, neff_version="2.0")
+
+
+# ------------------------------------------------------------------------------------------ NEFF header
+def test_header_fields_decode_at_the_documented_offsets():
+    raw = synthetic_header(1234, pkg_version=7, neff_version_major=2, neff_version_minor=5, feature_bits=0x1_0000_0005,
+                           num_tpb=3, requested_tpb_count=4, lnc_size=2, name=b"graph.neff", build_version=b"2.21.1")
+    h = parse_header(raw, "x.neff")
+    assert (h.pkg_version, h.header_size, h.data_size) == (7, 1024, 1234)
+    assert (h.neff_version, h.num_tpb, h.requested_tpb_count) == ("2.5", 3, 4)
+    assert (h.feature_bits, h.lnc_size) == (0x1_0000_0005, 2)
+    assert (h.name, h.build_version, h.hash, h.uuid) == ("graph.neff", "2.21.1", b"\x11" * 32, b"\x22" * 16)
+    assert h.tpb_per_node == b"\x01"
+
+
+def test_valid_synthetic_neff_passes(tmp_path):
+    path = write_synthetic_neff(tmp_path / "prefill_b1_s8.neff")
+    h = verify_neff(path, RECORD, lnc=1)
+    assert h.data_size == path.stat().st_size - 1024
+
+
+def test_truncated_file_is_refused(tmp_path):
+    whole = write_synthetic_neff(tmp_path / "a.neff").read_bytes()
+    (tmp_path / "short.neff").write_bytes(whole[:700])
+    with pytest.raises(NeffError, match=r"short.neff: 700 bytes, shorter than the 1024-byte NEFF header"):
+        verify_neff(tmp_path / "short.neff", RECORD, lnc=1)
+    (tmp_path / "cut.neff").write_bytes(whole[:-10])
+    with pytest.raises(NeffError, match=rf"cut.neff: data_size is {len(whole) - 1024} bytes but the file holds "
+                                        rf"{len(whole) - 1034} after the header"):
+        verify_neff(tmp_path / "cut.neff", RECORD, lnc=1)
+
+
+def test_wrong_sizes_in_the_header_are_refused(tmp_path):
+    payload_len = len(synthetic_payload())
+    bad = write_synthetic_neff(tmp_path / "d.neff", data_size=payload_len + 1)
+    with pytest.raises(NeffError, match=rf"data_size is {payload_len + 1} bytes but the file holds {payload_len}"):
+        verify_neff(bad, RECORD, lnc=1)
+    bad = write_synthetic_neff(tmp_path / "h.neff", header_size=512)
+    with pytest.raises(NeffError, match="header_size is 512, a NEFF header is 1024 bytes"):
+        verify_neff(bad, RECORD, lnc=1)
+
+
+def test_unknown_feature_bits_are_refused(tmp_path):
+    path = write_synthetic_neff(tmp_path / "f.neff", feature_bits=0x101)
+    verify_neff(path, NeffRecord(RECORD.flags, 1, 0x101, "2.0"), lnc=1)  # what the compiling SDK produced
+    with pytest.raises(NeffError, match=r"feature_bits 0x101 include 0x100, outside the features this host accepts \(0x1\)"):
+        verify_neff(path, NeffRecord(RECORD.flags, 1, 0x1, "2.0"), lnc=1)
+
+
+def test_lnc_mismatch_is_refused(tmp_path):
+    path = write_synthetic_neff(tmp_path / "l.neff", lnc_size=2)
+    with pytest.raises(NeffError, match=r"lnc_size is 2, this host runs logical NeuronCores of size 1 "
+                                        r"\(NEURON_LOGICAL_NC_CONFIG=1\); set NEURON_LOGICAL_NC_CONFIG=2"):
+        verify_neff(path, NeffRecord(RECORD.flags, 2, 0, "2.0"), *host_lnc({"NEURON_LOGICAL_NC_CONFIG": "1"}))
+    verify_neff(path, NeffRecord(RECORD.flags, 2, 0, "2.0"), *host_lnc({"NEURON_LOGICAL_NC_CONFIG": "2"}))
+    with pytest.raises(NeffError, match="lnc_size is 2 but the manifest records 1"):  # header vs bundle record
+        verify_neff(path, RECORD, lnc=2)
+
+
+def test_checks_run_in_the_documented_order():
+    """A header wrong in every field names header_size first, then data_size, feature_bits, lnc_size."""
+    wrong = {"header_size": 9, "data_size": 99, "feature_bits": 0x8, "lnc_size": 2}
+    right = {"header_size": HEADER_SIZE, "data_size": 10, "feature_bits": 0, "lnc_size": 1}
+    named = []
+    for fixed in range(len(wrong)):
+        fields = {k: (right if i < fixed else wrong)[k] for i, k in enumerate(wrong)}
+        header = parse_header(synthetic_header(**fields), "x.neff")
+        with pytest.raises(NeffError) as e:
+            check_header(header, HEADER_SIZE + 10, "x.neff", allowed_feature_bits=0, lnc=1)
+        named.append(str(e.value).removeprefix("x.neff: ").split(" ")[0])
+    assert named == list(wrong)
+
+
+def test_host_lnc_from_env_and_instance_type():
+    assert host_lnc({"NEURON_LOGICAL_NC_CONFIG": "2"}, "trn1.32xlarge") == (2, "NEURON_LOGICAL_NC_CONFIG=2")
+    assert host_lnc({}, "trn2.48xlarge")[0] == 2
+    assert host_lnc({}, "trn1.32xlarge")[0] == 1
+    assert host_lnc({}, "")[0] == 1
+    with pytest.raises(NeffError, match="NEURON_LOGICAL_NC_CONFIG='4': the logical NeuronCore size must be 1 or 2"):
+        host_lnc({"NEURON_LOGICAL_NC_CONFIG": "4"})
+
+
+def test_neff_record_round_trip_and_bad_fields():
+    assert NeffRecord.from_dict(RECORD.to_dict(), "r") == RECORD
+    for change, msg in (({"flags": "-O1"}, r"r.flags: expected a list of strings"),
+                        ({"lnc_size": True}, r"r.lnc_size: expected a non-negative integer"),
+                        ({"feature_bits": -1}, r"r.feature_bits: expected a non-negative integer"),
+                        ({"neff_version": 2}, r"r.neff_version: expected a string")):
+        with pytest.raises(BundleError, match=msg):
+            NeffRecord.from_dict({**RECORD.to_dict(), **change}, "r")
+
+
+# ------------------------------------------------------------------------------------------ flags
+def flags(overrides=None, env=None, product="", stems=("prefill_b1_s8", "decode_b1_s8")):
+    return backend_neuron.plan_flags(overrides, list(stems), environ=env or {}, product_name=product)
+
+
+def test_flag_spellings_agree():
+    a = flags({"args": "-O2 --target trn2 --logical-nc-config 1"})
+    b = flags({"args": ["--lnc=1", "--optlevel=2"], "target": "trn2"})
+    c = flags(env={"NEURON_CC_FLAGS": "--target=trn2  -O 2"})
+    assert a == b == c
+    assert a.common == ("--auto-cast=none", "--lnc=1", "--model-type=transformer", "--target=trn2", "-O2")
+    assert a.lnc == 1
+
+
+def test_flag_precedence_and_bucket_args():
+    f = flags({"args": "--auto-cast matmult", "bucket_args": {"prefill_b1_s8": "-O3 --tensorizer-options='--a  --b'"}},
+              env={"NEURON_CC_FLAGS": "--auto-cast all -O2"}, product="trn2.48xlarge")
+    assert "--auto-cast=matmult" in f.common and "-O2" in f.common and "--target=trn2" in f.common
+    assert "-O3" in f.per_bucket["prefill_b1_s8"] and "--tensorizer-options=--a --b" in f.per_bucket["prefill_b1_s8"]
+    assert f.per_bucket["decode_b1_s8"] == f.common
+    # a repeated accumulating option keeps both occurrences; a single-valued one keeps the last
+    assert backend_neuron.canonical_args(["--tensorizer-options=x", "--target", "trn1", "--tensorizer-options=y",
+                                          "--target=trn2"], "t") == \
+        ("--target=trn2", "--tensorizer-options=x", "--tensorizer-options=y")
+
+
+@pytest.mark.parametrize("overrides, env, product, message", [
+    (None, {}, "", r"no --target; this host is not a trn1/trn2 instance, so name one: NEURON_CC_FLAGS='--target trn2'"),
+    ({"target": "inf2"}, {}, "", r"--target inf2 is not one of trn1, trn2"),
+    ({"lnc": 2}, {}, "trn1.2xlarge", r"--lnc 2 needs --target trn2 \(on trn1 only lnc=1 is supported, NCC_EARG001\)"),
+    ({"lnc": 4, "target": "trn2"}, {}, "", r"--lnc 4 must be 1 or 2"),
+    ({"args": "-O4"}, {}, "trn2.3xlarge", r"-O 4 must be 1, 2 or 3"),
+    ({"args": "--output x.neff"}, {}, "trn2.3xlarge", r"--output is set by the neuron backend itself"),
+    (None, {"NEURON_CC_FLAGS": "model.hlo --target trn2"}, "", r"'model.hlo' is not a neuronx-cc option"),
+    ({"opt": 1}, {}, "trn2.3xlarge", r"unknown key 'opt'"),
+    ({"bucket_args": {"prefill_b9_s8": "-O2"}}, {}, "trn2.3xlarge", r"'prefill_b9_s8' is not a bucket of this plan"),
+    ({"bucket_args": {"prefill_b1_s8": "--lnc 2"}}, {}, "trn2.3xlarge", r"every bucket of a bundle needs the same --target and --lnc"),
+])
+def test_bad_flags_are_named(overrides, env, product, message):
+    with pytest.raises(ConfigError, match=message):
+        flags(overrides, env, product)
+
+
+# ------------------------------------------------------------------------------------------ keys
+@pytest.fixture(scope="module")
+def tiny_program():
+    class Tiny(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x * 2 + 1)
+
+    return torch.export.export(Tiny(), (torch.zeros(2, 8),), strict=False)
+
+
+def neuron_key(program, args, toolchain=None, kernels=None):
+    tc = backend_neuron.key_toolchain(toolchain or {"torch": "2.9.0", "neuronx_cc": "2.21"}, kernels or {})
+    return cache_key(normalised_graph(program), list(args), tc, "neuron", backend_neuron.BACKEND)
+
+
+def test_neuron_key_ignores_spelling_and_order_and_sees_every_change(tiny_program):
+    base = flags({"target": "trn2"}).per_bucket["prefill_b1_s8"]
+    same = flags(env={"NEURON_CC_FLAGS": "--model-type=transformer  --target=trn2 -O 1"}).per_bucket["prefill_b1_s8"]
+    assert neuron_key(tiny_program, base) == neuron_key(tiny_program, same)
+    changed = [flags({"target": "trn1"}), flags({"target": "trn2", "lnc": 2}), flags({"target": "trn2", "args": "-O2"}),
+               flags({"target": "trn2", "args": "--auto-cast matmult"}),
+               flags({"target": "trn2"}, env={"NEURON_CC_FLAGS": "--enable-saturate-infinity"})]
+    keys = {neuron_key(tiny_program, f.per_bucket["prefill_b1_s8"]) for f in changed}
+    keys |= {neuron_key(tiny_program, base, toolchain={"torch": "2.9.0", "neuronx_cc": "2.22"}),
+             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": "m:f 00"}),
+             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": "m:f 01"})}
+    assert len(keys | {neuron_key(tiny_program, base)}) == len(changed) + 4
+
+
+def test_key_toolchain_leaves_out_the_compiling_host():
+    a = backend_neuron.key_toolchain({"torch": "2.9.0", "machine": "x86_64", "cpu_isa": ["avx2"], "python": "3.11.7"}, {})
+    b = backend_neuron.key_toolchain({"torch": "2.9.0", "machine": "aarch64", "cpu_isa": [], "python": "3.12.1"}, {})
+    assert a == b
+
+
+def test_kernel_sources_hash_the_module_without_importing_it(tmp_path, monkeypatch):
+    mod = tmp_path / "fake_nki_kernel_mod.py"
+    mod.write_text("import nki_that_is_not_installed\n\ndef kernel(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:kernel"})
+    mod.write_text("import nki_that_is_not_installed\n\ndef kernel(x):\n    return x + 0\n")
+    assert first != backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:kernel"})
+    assert first["ns::op"].startswith("fake_nki_kernel_mod:kernel ")
+    with pytest.raises(CompileError, match="fake_nki_kernel_mod defines no top-level other_kernel"):
+        backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:other_kernel"})
+    with pytest.raises(CompileError, match="module no_such_kernel_mod not found"):
+        backend_neuron.kernel_sources({"ns::op": "no_such_kernel_mod:kernel"})
+
+
+# ------------------------------------------------------------------------------------------ fail fast
+@pytest.mark.skipif(not missing_packages("neuron"), reason="the Neuron SDK is installed here")
+def test_compile_without_sdk_fails_before_any_work(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(pipeline, "build_steps_for_config", lambda *a, **k: pytest.fail("did work before failing"))
+    monkeypatch.setenv("DSNEURON_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "art"
+    assert run_cli(monkeypatch, "compile", "--config", "micro", "--target", "neuron", "--out", str(out)) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    for text in ("target 'neuron' is not available", "torch_neuronx", "neuronxcc", "nki",
+                 "https://pip.repos.neuron.amazonaws.com"):
+        assert text in err
+    assert not out.exists() and not (tmp_path / "cache").exists()
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+    with pytest.raises(BundleError, match="missing Python packages torch_neuronx, neuronxcc, nki"):
+        pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, out, kit.parts, target="neuron",
+                                cache_dir=tmp_path / "cache", console=QUIET)
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+# ------------------------------------------------------------------------------------------ pipeline with a stand-in SDK seam
+class FakeSeam:
+    """Stands in for `compile_neff` (the only step that needs the SDK): writes a synthetic NEFF whose
+    payload depends on the graph and records each call."""
+
+    def __init__(self, lnc_written: int | None = None):
+        self.calls: list[dict] = []
+        self.lnc_written = lnc_written
+
+    def __call__(self, program, out, args, lnc, kernels):
+        user_inputs = list(program.graph_signature.user_inputs)
+        self.calls.append({"file": out.name, "args": tuple(args), "lnc": lnc, "n_inputs": len(user_inputs),
+                           "ops": sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function"})})
+        write_synthetic_neff(out, note=normalised_graph(program)[:2000] + " ".join(args),
+                             lnc_size=self.lnc_written or lnc, feature_bits=0x3)
+
+
+@pytest.fixture()
+def fake_sdk(monkeypatch):
+    """The Neuron SDK 'present' for check_target, the stand-in's custom op mapped to an 'NKI kernel'
+    (stand_in.gated_mix), a neuronx-cc path, and FakeSeam for the compile step."""
+    real = bundle_mod.missing_packages
+    monkeypatch.setattr(bundle_mod, "missing_packages", lambda t: [] if t == "neuron" else real(t))
+    monkeypatch.setattr(backend_neuron, "NKI_KERNELS", {"dsneuron_test::gated_mix": "stand_in:gated_mix"})
+    monkeypatch.setattr(backend_neuron, "require_compiler", lambda: "/opt/aws/neuron/bin/neuronx-cc")
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    seam = FakeSeam()
+    monkeypatch.setattr(backend_neuron, "compile_neff", seam)
+    return seam
+
+
+@pytest.fixture()
+def neuron_kit(tmp_path):
+    kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
+
+    def compile_to(name, flags=None, cache="cache"):
+        return pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / name, kit.parts, target="neuron",
+                                       cache_dir=tmp_path / cache, flags=flags, console=QUIET)
+    return kit, compile_to
+
+
+def test_neuron_bundle_records_flags_and_headers_per_bucket(fake_sdk, neuron_kit, tmp_path):
+    kit, compile_to = neuron_kit
+    out = compile_to("b", {"target": "trn2", "bucket_args": {"prefill_b2_s8": "-O2"}})
+    m = Manifest.from_json((out / "manifest.json").read_text())
+    assert m.target == "neuron" and m.compiler["backend"] == "neuronx-cc"
+    assert sorted(b.file for b in m.buckets) == ["buckets/decode_b2_s8.neff", "buckets/prefill_b2_s8.neff"]
+    assert m.compiler["flags"] == ["--auto-cast=none", "--lnc=1", "--model-type=transformer", "--target=trn2", "-O1"]
+    neff = m.compiler["neff"]
+    assert neff["buckets/prefill_b2_s8.neff"]["flags"][-1] == "-O2" and neff["buckets/decode_b2_s8.neff"]["flags"][-1] == "-O1"
+    for b in m.buckets:
+        header = read_header(out / b.file)
+        assert neff[b.file] == {"flags": neff[b.file]["flags"], "lnc_size": header.lnc_size,
+                                "feature_bits": header.feature_bits, "neff_version": header.neff_version}
+        assert (header.lnc_size, header.feature_bits) == (1, 0x3)
+    # the NKI-kernel op stays one node for the kernel; weights are NEFF inputs, stored once beside
+    assert m.compiler["custom_ops"] == {"dsneuron_test::gated_mix": "call"}
+    assert m.compiler["nki_kernels"] == {"dsneuron_test::gated_mix": "stand_in:gated_mix"}
+    assert all("dsneuron_test.gated_mix.default" in c["ops"] for c in fake_sdk.calls)
+    for b, call in zip(sorted(m.buckets, key=lambda b: b.file), sorted(fake_sdk.calls, key=lambda c: c["file"])):
+        assert call["n_inputs"] == len(b.weights) + len(b.inputs) and len(b.weights) == len(kit.parts.weights)
+    assert m.weight_views == {"proj": "uint8", "proj_scale": "uint8"}  # fp8 / e8m0 cross the NEFF as bytes
+    assert m.toolchain["cpu_isa"] == [] and {"torch_neuronx", "neuronx_cc", "nki", "torch_xla"} <= set(m.toolchain)
+    open_bundle(out)
+
+
+def test_second_build_compiles_nothing_and_any_flag_change_recompiles(fake_sdk, neuron_kit, monkeypatch):
+    _, compile_to = neuron_kit
+    compile_to("one", {"target": "trn2"})
+    assert len(fake_sdk.calls) == 2
+    compile_to("two", {"target": "trn2"})
+    assert len(fake_sdk.calls) == 2, "a warm build with a shared cache invoked the compiler"
+    compile_to("three", {"args": "--target=trn2  -O 1"})  # same flags, other spelling
+    assert len(fake_sdk.calls) == 2
+    compile_to("four", {"target": "trn2", "bucket_args": {"decode_b2_s8": "-O2"}})
+    assert [c["file"] for c in fake_sdk.calls[2:]] == ["decode_b2_s8.neff"]
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--enable-saturate-infinity")
+    compile_to("five", {"target": "trn1"})
+    assert len(fake_sdk.calls) == 5
+    assert all("--enable-saturate-infinity" in c["args"] for c in fake_sdk.calls[3:])
+
+
+def test_a_neff_with_the_wrong_lnc_is_never_bundled(fake_sdk, neuron_kit, tmp_path):
+    _, compile_to = neuron_kit
+    fake_sdk.lnc_written = 2
+    with pytest.raises(NeffError, match=r"lnc_size is 2, this host runs logical NeuronCores of size 1 \(requested with --lnc 1\)"):
+        compile_to("bad", {"target": "trn2"})
+    assert not (tmp_path / "bad").exists()
+
+
+def test_neuron_lowering_keeps_kernel_ops_and_inlines_the_rest(neuron_kit):
+    kit, _ = neuron_kit
+    step = kit.parts.steps.decode(2, 8)
+    from dsneuron.compiler.export import export_step
+    from dsneuron.compiler.lower import finish
+    for table, want in (({"dsneuron_test::gated_mix": "stand_in:gated_mix"}, "call"), ({}, "inline")):
+        mode = backend_neuron.lowering(table)
+        exported = export_step(step, kit.parts.weights, "decode b2 s8", backend_neuron.INPUT_VIEWS, mode)
+        assert finish(exported.program, mode, "decode") == {"dsneuron_test::gated_mix": want}
+
+
+def test_nki_dispatch_calls_the_kernel_with_the_ops_arguments(tiny_op_program):
+    program, x, y = tiny_op_program
+    seen = []
+
+    class Kernel:  # an @nki.jit stand-in: kernel[grid](...) launches with a grid
+        def __init__(self, grid=None):
+            self.grid = grid
+
+        def __getitem__(self, grid):
+            return Kernel(grid)
+
+        def __call__(self, a, b, alpha):
+            seen.append((self.grid, alpha))
+            return a - b
+
+    import sys
+    import types
+    mod = types.ModuleType("fake_kernel_mod_for_dispatch")
+    mod.kernel = Kernel()
+    sys.modules[mod.__name__] = mod
+    try:
+        for lnc, grid in ((1, None), (2, 2)):
+            with backend_neuron.NkiDispatch({"dsneuron_test::gated_mix": f"{mod.__name__}:kernel"}, lnc):
+                got = program.module()(x, y)
+            torch.testing.assert_close(got, (x - y) * 3, rtol=0, atol=0)
+            assert seen[-1] == (grid, 0.5)
+    finally:
+        del sys.modules[mod.__name__]
+
+
+@pytest.fixture()
+def tiny_op_program():
+    class UsesOp(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.ops.dsneuron_test.gated_mix(x, y, 0.5) * 3
+
+    x, y = torch.randn(4), torch.randn(4)
+    return torch.export.export(UsesOp(), (x, y), strict=False), x, y
+
+
+# ------------------------------------------------------------------------------------------ runtime
+def test_session_picks_the_neuron_executor_and_checks_every_neff(fake_sdk, neuron_kit, monkeypatch):
+    _, compile_to = neuron_kit
+    out = compile_to("b", {"target": "trn2"})
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(NeffError, match=r"lnc_size is 1, this host runs logical NeuronCores of size 2 "
+                                        r"\(NEURON_LOGICAL_NC_CONFIG=2\)"):
+        Session.load(out)
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    session = Session.load(out)
+    assert isinstance(session._make, NeuronExecutor)
+    assert {h.lnc_size for h in session._make.headers.values()} == {1}
+    if importlib.util.find_spec("torch_neuronx") is None:
+        with pytest.raises(BundleError, match=r"running a NEFF needs torch-neuronx .* AWS Neuron pip index"):
+            session.generate("hi", 2)
+
+
+def test_executor_refuses_other_sdk_releases_and_missing_records(fake_sdk, neuron_kit):
+    _, compile_to = neuron_kit
+    out = compile_to("b", {"target": "trn2"})
+    m = Manifest.from_json((out / "manifest.json").read_text())
+    check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"})
+    with pytest.raises(BundleError, match=r"compiled with neuronx-cc 2.21.1, this host has 2.22.0; .* recompile"):
+        check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": "2.9.0", "neuronx_cc": "2.22.0"})
+    assert set(neff_records(m)) == {b.file for b in m.buckets}
+    del m.compiler["neff"]["buckets/decode_b2_s8.neff"]
+    with pytest.raises(BundleError, match=r"compiler.neff: no record for buckets/decode_b2_s8.neff"):
+        neff_records(m)
+
+
+def test_bundle_moved_to_another_folder_still_loads(fake_sdk, neuron_kit, tmp_path):
+    _, compile_to = neuron_kit
+    out = compile_to("b", {"target": "trn2"})
+    moved = tmp_path / "elsewhere" / "deeper"
+    moved.parent.mkdir()
+    shutil.move(str(out), moved)
+    manifest = Manifest.from_json((moved / "manifest.json").read_text())
+    assert set(NeuronExecutor(moved, manifest, environ={}, product_name="").headers) == \
+        {"buckets/decode_b2_s8.neff", "buckets/prefill_b2_s8.neff"}
+
+
+# ------------------------------------------------------------------------------------------ SDK-gated (Trainium)
+def _require_sdk():
+    for name in ("torch_neuronx", "neuronxcc", "nki"):
+        pytest.importorskip(name, reason=f"needs the Neuron SDK ({name}), which comes only from the AWS Neuron pip index")
+    if shutil.which("neuronx-cc") is None:
+        pytest.skip("needs the neuronx-cc executable on PATH")
+
+
+def _require_device():
+    if not list(Path("/dev").glob("neuron*")):
+        pytest.skip("needs a Neuron device (/dev/neuron*): a trn1/trn2 instance")
+
+
+@pytest.mark.neuron
+@pytest.mark.slow
+def test_sdk_compile_micro_per_bucket(tmp_path, monkeypatch):
+    _require_sdk()
+    assert run_cli(monkeypatch, "compile", "--config", "micro", "--target", "neuron", "--out",
+                   str(tmp_path / "neuron"), "--cache-dir", str(tmp_path / "cache")) == 0
+    m = Manifest.from_json((tmp_path / "neuron" / "manifest.json").read_text())
+    lnc = backend_neuron.plan_flags(None, ["x"]).lnc
+    for b in m.buckets:
+        record = NeffRecord.from_dict(m.compiler["neff"][b.file], b.file)
+        verify_neff(tmp_path / "neuron" / b.file, record, lnc=lnc)
+        assert "--model-type=transformer" in record.flags
+
+
+@pytest.mark.neuron
+@pytest.mark.slow
+def test_sdk_run_micro_and_compare_with_the_cpu_bundle(tmp_path, monkeypatch):
+    _require_sdk()
+    _require_device()
+    from dsneuron.compiler import cli
+    if "compare" not in {c.name for c in cli.app.registered_commands}:
+        pytest.skip("`dsneuron compare` (issue 6) is not in this build")
+    mp = monkeypatch
+    for target in ("cpu", "neuron"):
+        assert run_cli(mp, "compile", "--config", "micro", "--target", target, "--out", str(tmp_path / target),
+                       "--cache-dir", str(tmp_path / "cache")) == 0
+    assert run_cli(mp, "run", str(tmp_path / "neuron"), "--prompt", "Hello", "--max-new-tokens", "4") == 0
+    for target in ("cpu", "neuron"):
+        assert run_cli(mp, "compare", str(tmp_path / target), "--json", str(tmp_path / f"{target}.json")) == 0
