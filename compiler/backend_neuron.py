@@ -2,23 +2,27 @@
 
 NOT RUN ON HARDWARE. Everything below the SDK seam (`compile_neff`) follows the public sources
 cited at each step and has never been executed here (the Neuron SDK is not installable on this
-host); the rest (flags, keys, lowering, bundle assembly) is tested with a stand-in for that seam.
+host); the rest (flags, keys, lowering, the kernel adapters) is tested with a stand-in for that
+seam and, for the adapters, with the NumPy stand-in of `nki`.
 
-Per bucket (the order of compiler/compile.py, so bad input fails before anything expensive):
-1. torch.export on the host, as for cpu, with the neuron lowering: a custom op that has an NKI
+`NeuronBackend` is the neuron side of compiler/compile.py's bundle loop (its `Backend` interface);
+everything else of a compile (export, cache, weights, tokenizer, manifest, atomic write) is that
+loop's. Per bucket:
+1. torch.export on the host with the neuron lowering (`lowering`): a custom op that has an NKI
    kernel (`NKI_KERNELS`) stays one graph node; any other custom op is inlined from its torch
    reference (compiler/lower.py `InlineCustomOps`), so it reaches XLA as ordinary ops.
-2. Cache key (compiler/cache.py) from the normalised graph, this bucket's neuronx-cc arguments, the
-   SDK versions plus the sources of the NKI kernel modules, and the target.
+2. Cache key ingredients (`NeuronBackend.key_ingredients`): this bucket's neuronx-cc arguments, the
+   torch/SDK versions and the sources of the NKI kernel and adapter modules (`kernel_sources`).
 3. On a miss, `compile_neff`: the exported graph runs on the XLA device under `NkiDispatch`, which
-   answers each kernel op by calling its `@nki.jit` kernel; a kernel call on XLA tensors records an
-   HLO custom-call that neuronx-cc replaces by the kernel (aws-neuron-sdk:nki/guides/
-   framework_custom_op.rst). torch-neuronx turns the trace into an HloModuleProto
-   (`torch_neuronx.xla_impl.trace.generate_hlo`, called the way neuronx-distributed's
-   trace/model_builder.py calls it), and `neuronx-cc compile --framework XLA` makes the NEFF
-   (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst). The kernels' compiled side files
-   live in the `nki` package's temporary folders; tracing and compiling happen in one call, so they
-   still exist when neuronx-cc reads them (neuron_toolchain.md 1.8).
+   answers each kernel op by calling its `@nki.jit` kernel through the op's adapter
+   (kernels_nki/neuron_adapters.py: pad, uint8 views, format constant, result slice); a kernel call
+   on XLA tensors records an HLO custom-call that neuronx-cc replaces by the kernel
+   (aws-neuron-sdk:nki/guides/framework_custom_op.rst). torch-neuronx turns the trace into an
+   HloModuleProto (`torch_neuronx.xla_impl.trace.generate_hlo`, called the way
+   neuronx-distributed's trace/model_builder.py calls it), and `neuronx-cc compile --framework XLA`
+   makes the NEFF (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst). The kernels'
+   compiled side files live in the `nki` package's temporary folders; tracing and compiling happen
+   in one call, so they still exist when neuronx-cc reads them (neuron_toolchain.md 1.8).
 4. The NEFF header is read back (runtime_min/neff.py): its lnc_size must be the requested --lnc,
    and the manifest records, per bucket, the flags and the header's lnc_size / feature_bits /
    version (`Manifest.compiler["neff"]`, runtime_min/neff.py `NeffRecord`).
@@ -43,51 +47,38 @@ the kernels do not implement); on trn2 run with NEURON_LOGICAL_NC_CONFIG=1 or co
 from __future__ import annotations
 
 import ast
-import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import shlex
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from rich.console import Console
 from torch.overrides import TorchFunctionMode
 
-import dsneuron
-from dsneuron.graphs.config import ConfigError, ModelConfig
+from dsneuron.graphs.config import ConfigError
+from dsneuron.kernels_nki.neuron_adapters import BINDINGS, NkiBinding
 from dsneuron.runtime_min.bundle import NEURON_INDEX, host_toolchain
 from dsneuron.runtime_min.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
 from dsneuron.runtime_min.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
-from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleError, Manifest, TensorSpec,
-                                         Tokenizer, bucket_file, dtype_name)
+from dsneuron.runtime_min.schema import BundleError
 
-from .buckets import PlannedBucket, plan_buckets
-from .bundle_writer import BundleWriter, check_output
-from .cache import CompileCache, _is_number, cache_key, default_cache_dir, normalised_graph, pre_key
-from .compile import ModelParts, _check_weights, _progress, _state_entries, _stored_weights, _weights_digest
-from .config import CompileConfig
-from .export import CompileError, export_step
-from .lower import InlineCustomOps, _custom_name, finish
+from .cache import _is_number
+from .export import CompileError
+from .lower import InlineCustomOps, _custom_name
 
 BACKEND = "neuronx-cc"
 TARGETS = ("trn1", "trn2")
-# custom op -> "module:function" of its NKI kernel (kernels_nki, issue 7). The function takes the
-# op's arguments in order and returns its result. Ops not listed are inlined from their reference:
-# the V4.1 indexer's `mqa_logits_bf16` works on bf16 QDQ values, which no FP8/FP4 kernel takes.
-NKI_KERNELS = {
-    "dsneuron::sparse_attn": "dsneuron.kernels_nki.sparse_attn_nki:sparse_attn_kernel",
-    "dsneuron::mqa_logits": "dsneuron.kernels_nki.mqa_logits_nki:mqa_logits_kernel",
-    "dsneuron::mqa_logits_sparse": "dsneuron.kernels_nki.mqa_logits_nki:mqa_logits_sparse_kernel",
-}
+# custom op -> its NKI kernel and the adapter calling it from the op's arguments
+# (kernels_nki/neuron_adapters.py). Ops not listed are inlined from their reference: the V4.1
+# indexer's `mqa_logits_bf16` works on bf16 QDQ values, which no FP8/FP4 kernel takes.
+NKI_KERNELS: dict[str, NkiBinding] = dict(BINDINGS)
 INPUT_VIEWS = {torch.float8_e8m0fnu: torch.uint8, torch.float8_e4m3fn: torch.uint8}
 FLAGS_ENV = "NEURON_CC_FLAGS"
 DEFAULT_ARGS = ("--model-type", "transformer", "-O", "1", "--auto-cast", "none", "--lnc", "1")
@@ -240,22 +231,30 @@ def neuron_toolchain() -> dict[str, Any]:
     return {**host_toolchain(), "cpu_isa": [], **sdk_versions()}
 
 
-def kernel_sources(table: Mapping[str, str] | None = None) -> dict[str, str]:
-    """{op: "module:function sha256-of-module-source"} for every kernel of `table` (default
-    NKI_KERNELS), without importing the kernel modules (they import `nki`): the source is read and
-    parsed. Raises CompileError naming a module that does not exist or does not define the function
-    at its top level."""
+def kernel_sources(table: Mapping[str, NkiBinding] | None = None) -> dict[str, dict[str, str]]:
+    """{op: {"kernel": "module:function", "kernel_sha256": ..., "adapter": "module:function",
+    "adapter_sha256": ...}} for every binding of `table` (default NKI_KERNELS): the sha256 of each
+    module's source, which a NEFF depends on. The kernel module is not imported (it imports `nki`):
+    its source is read and parsed. Raises CompileError naming a module that does not exist or a
+    kernel module that does not define the function at its top level."""
     out = {}
-    for op, entry in (NKI_KERNELS if table is None else table).items():
-        module, _, function = entry.partition(":")
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.origin or not Path(spec.origin).is_file():
-            raise CompileError(f"NKI kernel of {op}: module {module} not found (kernels_nki, issue 7)")
-        source = Path(spec.origin).read_bytes()
+    for op, binding in (NKI_KERNELS if table is None else table).items():
+        module, _, function = binding.kernel.partition(":")
+        source = _module_source(module, f"NKI kernel of {op}")
         if function not in _top_level_names(source):
             raise CompileError(f"NKI kernel of {op}: {module} defines no top-level {function}")
-        out[op] = f"{entry} {hashlib.sha256(source).hexdigest()}"
+        adapter = binding.call.__module__
+        out[op] = {"kernel": binding.kernel, "kernel_sha256": hashlib.sha256(source).hexdigest(),
+                   "adapter": f"{adapter}:{binding.call.__qualname__}",
+                   "adapter_sha256": hashlib.sha256(_module_source(adapter, f"adapter of {op}")).hexdigest()}
     return out
+
+
+def _module_source(module: str, what: str) -> bytes:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        raise CompileError(f"{what}: module {module} not found")
+    return Path(spec.origin).read_bytes()
 
 
 def _top_level_names(source: bytes) -> set[str]:
@@ -269,10 +268,12 @@ def _top_level_names(source: bytes) -> set[str]:
     return names
 
 
-def key_toolchain(toolchain: Mapping[str, Any], kernels: Mapping[str, str]) -> dict[str, Any]:
+def key_toolchain(toolchain: Mapping[str, Any], kernels: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
     """What a NEFF depends on besides graph, flags and target: the torch/SDK versions and the
-    kernel sources. Not the compiling host's CPU or Python: a shared cache serves every host."""
-    return {**{k: toolchain.get(k) for k in ("torch", *SDK_DISTRIBUTIONS)}, "nki_kernels": dict(kernels)}
+    kernel and adapter sources (`kernel_sources`). Not the compiling host's CPU or Python: a shared
+    cache serves every host."""
+    return {**{k: toolchain.get(k) for k in ("torch", *SDK_DISTRIBUTIONS)},
+            "nki_kernels": {op: dict(entry) for op, entry in kernels.items()}}
 
 
 def require_compiler() -> str:
@@ -285,44 +286,51 @@ def require_compiler() -> str:
 
 
 # ------------------------------------------------------------------------------------------ lowering
-def lowering(kernels: Mapping[str, str]) -> InlineCustomOps:
-    """The export-time lowering of the neuron target: ops of `kernels` stay calls (their NKI kernel
-    replaces them at trace time), every other custom op is inlined from its reference."""
+def lowering(kernels: Mapping[str, Mapping[str, str]]) -> InlineCustomOps:
+    """The export-time lowering of the neuron target: ops of `kernels` (`kernel_sources`) stay calls
+    (their NKI kernel replaces them at trace time), every other custom op is inlined from its reference."""
     mode = InlineCustomOps()
-    mode.called.update({op: f"NKI kernel {entry.split()[0]}" for op, entry in kernels.items()})
+    mode.called.update({op: f"NKI kernel {entry['kernel']}" for op, entry in kernels.items()})
     return mode
 
 
 class NkiDispatch(TorchFunctionMode):
-    """While active, a call of a custom op of `table` ({op: "module:function"}) runs its NKI kernel,
-    imported on first use; with lnc > 1 the kernel is launched as `kernel[lnc]` (the launch degree
-    must equal the logical core size, neuron_toolchain.md 1.2)."""
+    """While active, a call of a custom op of `table` ({op: NkiBinding}) runs its NKI kernel through
+    the binding's adapter; the kernel is imported on first use and, with lnc > 1, launched as
+    `kernel[lnc]` (the launch degree must equal the logical core size, neuron_toolchain.md 1.2).
+    A ValueError of the adapter or kernel (arguments the kernel cannot take) becomes a CompileError
+    naming the op and the kernel."""
 
-    def __init__(self, table: Mapping[str, str], lnc: int):
+    def __init__(self, table: Mapping[str, NkiBinding], lnc: int):
         super().__init__()
         self.table, self.lnc = dict(table), lnc
         self._kernels: dict[str, Any] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = _custom_name(func)
-        if name not in self.table:
+        binding = self.table.get(name) if name else None
+        if binding is None:
             return func(*args, **(kwargs or {}))
         if name not in self._kernels:
-            module, _, attr = self.table[name].partition(":")
+            module, _, attr = binding.kernel.partition(":")
             kernel = getattr(importlib.import_module(module), attr)
             self._kernels[name] = kernel[self.lnc] if self.lnc > 1 else kernel
-        return self._kernels[name](*args, **(kwargs or {}))
+        try:
+            return binding.call(self._kernels[name], *args, **(kwargs or {}))
+        except ValueError as e:
+            raise CompileError(f"{name}: its NKI kernel {binding.kernel} cannot take these arguments: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------ the SDK seam
 def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequence[str], lnc: int,
-                 kernels: Mapping[str, str]) -> None:
+                 bindings: Mapping[str, NkiBinding]) -> None:
     """Trace `program` on the XLA device with the NKI kernels and compile it with neuronx-cc into the
     NEFF `out` (written whole, then renamed). Needs the Neuron SDK; NOT RUN ON HARDWARE here.
 
-    args: this bucket's canonical neuronx-cc arguments; kernels: {op: "module:function ..."}.
-    Raises CompileError when torch-neuronx changes the input/output interface (an input pruned by
-    XLA would shift every later input of the NEFF) or neuronx-cc fails (with the end of its log).
+    args: this bucket's canonical neuronx-cc arguments; bindings: {op: NkiBinding} (`NkiDispatch`).
+    Raises CompileError when a kernel cannot take its op's arguments, when torch-neuronx changes the
+    input/output interface (an input pruned by XLA would shift every later input of the NEFF) or
+    when neuronx-cc fails (with the end of its log).
     """
     from torch_neuronx.xla_impl import trace as xla_trace  # the SDK, imported only here
 
@@ -331,9 +339,8 @@ def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequenc
     user = set(sig.user_inputs)
     examples = tuple(torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
                      for n in program.graph.nodes if n.op == "placeholder" and n.name in user)
-    table = {op: entry.split()[0] for op, entry in kernels.items()}
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
-        with NkiDispatch(table, lnc):
+        with NkiDispatch(bindings, lnc):
             hlo = xla_trace.generate_hlo(program.module(), examples, {}, inline_weights_to_neff=True,
                                          return_weights=False, output_aliased_tensor=False, cpu_backend=True)
         got = [tuple(t.shape) for t in hlo.metaneff.input_tensors]
@@ -352,117 +359,48 @@ def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequenc
         os.replace(neff, out)
 
 
-# ------------------------------------------------------------------------------------------ pipeline
-def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
-                   force: bool = False, cache_dir: Path | None = None, flags: dict[str, Any] | None = None,
-                   console: Console | None = None) -> Path:
-    """compiler/compile.py `compile_bundle` for target "neuron" (it routes here after check_target):
-    one NEFF per bucket, weights and tokenizer as on cpu; returns `out`.
+# ------------------------------------------------------------------------------------------ the backend
+class NeuronBackend:
+    """The neuron target for compiler/compile.py `compile_bundle`; the methods are its `Backend`
+    interface's. Per bucket (by file stem): the canonical neuronx-cc arguments are the cache key's
+    flags and the NEFF record's; the key's toolchain is `key_toolchain`.
 
-    Before any work: the bucket plan, the neuronx-cc arguments of every bucket (`plan_flags`), the
-    NKI kernel modules, the neuronx-cc executable and the output folder are checked. Raises
-    ConfigError, CompileError, BundleError, OutputExistsError as compiler/compile.py does.
+    Made before any work, from the `flags` overrides and the plan's bucket file stems: plans and
+    validates every bucket's neuronx-cc arguments (`plan_flags`), hashes the NKI kernel and adapter
+    modules of NKI_KERNELS (`kernel_sources`) and finds neuronx-cc. Raises ConfigError,
+    CompileError or BundleError naming the problem.
     """
-    console = console or Console(stderr=True)
-    plan = plan_buckets(compile_cfg, model_cfg)
-    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron") for pb in plan.buckets}
-    nflags = plan_flags(flags, [Path(r).stem for r in rels.values()])
-    kernels = kernel_sources()
-    require_compiler()
-    out = Path(out)
-    check_output(out, force)
-    _check_weights(parts.weights)
-    stored, load_casts = _stored_weights(parts.weights, parts.stored_dtypes)
-    tok_files = [Path(p) for p in parts.tokenizer_files]
-    if not tok_files or tok_files[0].name != "tokenizer.json" or not all(p.is_file() for p in tok_files):
-        raise ConfigError(f"tokenizer files {[str(p) for p in tok_files]}: need an existing tokenizer.json first")
-    try:
-        json.dumps(parts.host_params, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise CompileError(f"host preprocessing parameters are not plain JSON data ({e})") from None
 
-    toolchain = neuron_toolchain()
-    key_tc = key_toolchain(toolchain, kernels)
-    cache = CompileCache(cache_dir if cache_dir is not None else default_cache_dir())
-    state = _state_entries(parts.steps, plan)
-    fingerprint = getattr(parts.steps, "fingerprint", None)
-    fp = fingerprint() if callable(fingerprint) else None
-    wdigest = _weights_digest(parts.weights)
-    buckets: list[Bucket] = []
-    custom_ops: dict[str, str] = {}
-    weight_views: dict[str, str] = {}
-    neffs: dict[str, dict[str, Any]] = {}
-    compiled = 0
-    with BundleWriter(out, force) as writer, _progress(console) as progress:
-        tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
-        for pb in plan.buckets:
-            t0, rel = time.perf_counter(), rels[pb]
-            stem = Path(rel).stem
-            args = nflags.per_bucket[stem]
-            prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, list(args), key_tc, "neuron", BACKEND) if fp else None
-            record = cache.get_alias(prekey) if prekey else None
-            how = "cached"
-            if record is None:
-                progress.update(tasks[pb], status="exporting")
-                record, program = _export(parts, pb, kernels)
-                record["graph_key"] = cache_key(normalised_graph(program), list(args), key_tc, "neuron", BACKEND)
-                artifact = cache.get(record["graph_key"])
-                if artifact is None:
-                    progress.update(tasks[pb], status="compiling")
-                    compile_neff(program, writer.path(rel), args, nflags.lnc, kernels)
-                    artifact = cache.put(record["graph_key"], writer.path(rel))
-                    how, compiled = "compiled", compiled + 1
-                if prekey:
-                    cache.put_alias(prekey, record)
-                record["artifact"] = artifact
-            if how == "cached":
-                writer.copy_in(record["artifact"], rel)
-            neffs[rel] = _neff_record(writer.path(rel), args, nflags.lnc).to_dict()
-            custom_ops.update(record["custom_ops"])
-            weight_views.update(record["views"])
-            buckets.append(Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=rel,
-                                  weights=tuple(record["weights"]),
-                                  inputs=tuple(TensorSpec.from_dict(x, "inputs") for x in record["inputs"]),
-                                  outputs=tuple(TensorSpec.from_dict(x, "outputs") for x in record["outputs"]),
-                                  cache_key=record["graph_key"]))
-            progress.update(tasks[pb], status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
-        used = {n for b in buckets for n in b.weights}
-        writer.write_weights({n: t for n, t in stored.items() if n in used})
-        for p in tok_files:
-            writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")
-        manifest = Manifest(
-            target="neuron", toolchain=toolchain,
-            compiler={"backend": BACKEND, "flags": list(nflags.common), "custom_ops": dict(sorted(custom_ops.items())),
-                      "nki_kernels": {op: entry.split()[0] for op, entry in kernels.items()}, "neff": neffs},
-            model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
-            tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
-                                bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
-                                pad_token_id=model_cfg.eos_token_id, add_bos=True),
-            host_preprocessing=dict(parts.host_params), state=state, buckets=tuple(buckets), files={},
-            weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
-            load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())))
-        path = writer.commit(manifest)
-    console.print(f"bundle written to {path} ({compiled} compiled, {len(buckets) - compiled} from the cache at {cache.root})")
-    return path
+    target = "neuron"
+    name = BACKEND
+    input_views = INPUT_VIEWS
 
+    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
+        self.flags = plan_flags(flags, stems)
+        self.bindings = dict(NKI_KERNELS)
+        self.kernels = kernel_sources(self.bindings)
+        require_compiler()
+        self.toolchain = neuron_toolchain()
+        self._key_toolchain = key_toolchain(self.toolchain, self.kernels)
 
-def _export(parts: ModelParts, pb: PlannedBucket, kernels: Mapping[str, str]) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
-    """Export one bucket with the neuron lowering; returns (the bucket's manifest facts, the program)."""
-    graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
-        else parts.steps.decode(pb.batch, pb.capacity)
-    mode = lowering(kernels)
-    exported = export_step(graph, parts.weights, pb.label, INPUT_VIEWS, mode)
-    record = {"weights": list(exported.weights), "inputs": [s.to_dict() for s in exported.inputs],
-              "outputs": [s.to_dict() for s in exported.outputs],
-              "views": {n: dtype_name(d) for n, d in exported.views.items()},
-              "custom_ops": finish(exported.program, mode, pb.label)}
-    return record, exported.program
+    def lowering(self) -> InlineCustomOps:
+        return lowering(self.kernels)
 
+    def key_ingredients(self, stem: str) -> tuple[list[str], dict[str, Any]]:
+        return list(self.flags.per_bucket[stem]), self._key_toolchain
 
-def _neff_record(path: Path, args: tuple[str, ...], lnc: int) -> NeffRecord:
-    """The manifest record of a NEFF just compiled or taken from the cache; its header must be
-    whole and carry the requested logical core size (else BundleError: never bundle a bad NEFF)."""
-    header = read_header(path)
-    check_header(header, path.stat().st_size, path.name, allowed_feature_bits=header.feature_bits, lnc=lnc,
-                 lnc_source=f"requested with --lnc {lnc}")
-    return NeffRecord.of(header, args)
+    def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
+        compile_neff(program, out, self.flags.per_bucket[stem], self.flags.lnc, self.bindings)
+
+    def bucket_facts(self, path: Path, stem: str) -> dict[str, Any]:
+        """The NEFF's manifest record; its header must be whole and carry the requested logical
+        core size (else BundleError: never bundle a bad NEFF)."""
+        header = read_header(path)
+        lnc = self.flags.lnc
+        check_header(header, path.stat().st_size, path.name, allowed_feature_bits=header.feature_bits, lnc=lnc,
+                     lnc_source=f"requested with --lnc {lnc}")
+        return NeffRecord.of(header, self.flags.per_bucket[stem]).to_dict()
+
+    def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return {"backend": BACKEND, "flags": list(self.flags.common), "custom_ops": custom_ops,
+                "nki_kernels": {op: entry["kernel"] for op, entry in self.kernels.items()}, "neff": facts}

@@ -51,6 +51,7 @@ def compile_cmd(
     target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK)"),
     force: bool = typer.Option(False, "--force", help="replace an existing bundle (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
+    probes: bool = typer.Option(False, "--probes", help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
 ) -> None:
     """Compile every bucket of a config into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
@@ -59,7 +60,7 @@ def compile_cmd(
 
     check_target(target)  # fail fast, before reading anything
     model_cfg, compile_cfg, _ = load_config(config)
-    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir)
+    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
                             console=console)
 
@@ -84,6 +85,28 @@ def run_cmd(
 
     session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=emit)
     sys.stdout.write("\n")
+
+
+@app.command("compare")
+def compare_cmd(
+    bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile` (--probes for the stage table)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: the shipped short/medium/long)"),
+    decode: int = typer.Option(8, "--decode", help="teacher-forced decode steps after each prompt"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure as JSON here"),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint the bundle was built from (default: the manifest's)"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where the deterministic checkpoint lives (as for compile)"),
+) -> None:
+    """The bundle against the eager golden model: end to end next to the floor, and stage by stage."""
+    import json
+
+    from dsneuron.compiler.compare import compare_bundle, render
+    from dsneuron.compiler.default_prompts import default_prompts, read_prompts
+
+    chosen = read_prompts(prompts) if prompts is not None else default_prompts()
+    reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False))
+    render(reports, console)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"bundle": str(bundle), "prompts": [r.to_dict() for r in reports]}, indent=1))
 
 
 @app.command("inspect")

@@ -1,12 +1,18 @@
 """The compile pipeline: config + model -> bucket plan -> export -> lower -> backend (cached) -> bundle.
 
-`compile_bundle` is the whole job behind `dsneuron compile`; `build_steps_for_config` is the one
-place where the real model is wired in (tests pass a stand-in StepFactory instead).
+`compile_bundle` is the whole job behind `dsneuron compile`, for every target; `build_steps_for_config`
+is the one place where the real model is wired in (tests pass a stand-in StepFactory instead).
 
 Order of work, so that bad input fails before anything expensive: target availability, bucket plan
-(kernel constraints), output folder, weights and tokenizer inputs; then per bucket: export (with the
-target's custom-op lowering active, compiler/lower.py), cache lookup, compile on a miss; then the
-weights file, tokenizer copies, manifest, atomic rename.
+(kernel constraints), the target's backend (its flags and tools), output folder, weights and
+tokenizer inputs; then per bucket: export (with the backend's custom-op lowering active,
+compiler/lower.py), cache lookup, compile on a miss, the backend's per-bucket manifest facts; then
+the weights file, tokenizer copies, manifest, atomic rename.
+
+One loop drives both targets through `Backend`, the few things that differ per target: the export
+lowering and input views, the cache key ingredients of a bucket, compiling one bucket, per-bucket
+manifest facts and the manifest's `compiler` section. `CpuBackend` (AOTInductor, compiler/
+backend_cpu.py) and `backend_neuron.NeuronBackend` (neuronx-cc with NKI kernels) implement it.
 """
 
 from __future__ import annotations
@@ -17,28 +23,28 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import dsneuron
-from dsneuron import UserError
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, Manifest, StateEntry, TensorSpec,
-                                         Tokenizer, bucket_file, dtype_name)
+from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleError, Manifest, StateEntry,
+                                         TensorSpec, Tokenizer, bucket_file, dtype_name)
 
-from . import backend_cpu
+from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
 from .bundle_writer import BundleWriter, check_output
 from .cache import CompileCache, cache_key, default_cache_dir, normalised_graph, pre_key
 from .config import CompileConfig
 from .export import CompileError, StepFactory, StepGraph, export_step
-from .lower import finish, inline_mode
+from .lower import InlineCustomOps, finish, inline_mode
 
-__all__ = ["ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle"]
+__all__ = ["Backend", "CpuBackend", "ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle",
+           "make_backend"]
 
 
 @dataclass(frozen=True)
@@ -61,34 +67,107 @@ class ModelParts:
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
-def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None) -> ModelParts:
+def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
+                           probes: bool = False) -> ModelParts:
     """The real model's parts: the checkpoint of compile.checkpoint (or the deterministic one of
     compile.seed, made once under the cache folder), graphs.steps modules over shared weights, the
-    tokenizer files and the engram hashing parameters (see compiler/model_steps.py)."""
+    tokenizer files and the engram hashing parameters (see compiler/model_steps.py). probes: every
+    step also returns its stage tensors (a probe bundle for `dsneuron compare`)."""
     from .model_steps import build_model_parts
 
-    return build_model_parts(model_cfg, compile_cfg, cache_dir)
+    return build_model_parts(model_cfg, compile_cfg, cache_dir, probes)
+
+
+class Backend(Protocol):
+    """What `compile_bundle` needs from a target; one instance per compile, made before any work.
+
+    target: the bundle's target ("cpu", "neuron"); name: the manifest's `compiler.backend`, also a
+    cache key ingredient; toolchain: the manifest's `toolchain`; input_views: {weight dtype: dtype}
+    of weights passed to the executable as same-width views (compiler/export.py).
+    """
+
+    target: str
+    name: str
+    toolchain: dict[str, Any]
+    input_views: Mapping[torch.dtype, torch.dtype]
+
+    def lowering(self) -> InlineCustomOps:
+        """A fresh export-time lowering mode for one bucket (compiler/lower.py)."""
+
+    def key_ingredients(self, stem: str) -> tuple[Any, dict[str, Any]]:
+        """(flags, toolchain) of the cache keys of the bucket whose file stem is `stem`."""
+
+    def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
+        """Compile one bucket's lowered program into the executable file `out`."""
+
+    def bucket_facts(self, path: Path, stem: str) -> dict[str, Any] | None:
+        """What the manifest records about the executable at `path` (compiled or cached), or None."""
+
+    def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The manifest's `compiler` section from {op: "inline"|"call"} and {bucket file: facts}."""
+
+
+class CpuBackend:
+    """The cpu target: AOTInductor packages for this host (compiler/backend_cpu.py); the methods are
+    `Backend`'s. flags: Inductor config overrides on top of backend_cpu.DEFAULT_FLAGS, one set for
+    every bucket; the cache keys take the host toolchain whole (the package runs on this CPU only)."""
+
+    target = "cpu"
+    name = backend_cpu.BACKEND
+    input_views = backend_cpu.INPUT_VIEWS
+
+    def __init__(self, flags: dict[str, Any] | None):
+        self.flags = backend_cpu.effective_flags(flags)
+        self.toolchain = host_toolchain()
+
+    def lowering(self) -> InlineCustomOps:
+        return inline_mode(self.target)
+
+    def key_ingredients(self, stem: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.flags, self.toolchain
+
+    def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
+        backend_cpu.compile_cpu(program, out, self.flags)
+
+    def bucket_facts(self, path: Path, stem: str) -> None:
+        return None
+
+    def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return {"backend": self.name, "flags": self.flags, "custom_ops": custom_ops}
+
+
+def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]) -> Backend:
+    """The backend of `target` for the buckets with file stems `stems`; raises what the backend's
+    checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc);
+    BundleError for an unknown target."""
+    if target == "cpu":
+        return CpuBackend(flags)
+    if target == "neuron":
+        return backend_neuron.NeuronBackend(flags, stems)
+    raise BundleError(f"unknown target {target!r} (known: cpu, neuron)")
 
 
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
                    target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
                    flags: dict[str, Any] | None = None, console: Console | None = None) -> Path:
-    """Compile every bucket of the plan and write the bundle atomically into `out`; returns `out`.
+    """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
+    returns `out`.
 
-    flags: backend option overrides (Inductor config keys on cpu), part of every cache key.
+    flags: backend option overrides, part of every cache key: Inductor config keys on cpu
+    (compiler/backend_cpu.py); on neuron {"target", "lnc", "args", "bucket_args"}
+    (compiler/backend_neuron.py `plan_flags`).
     cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
-    Raises ConfigError (bad plan), BundleError (target unavailable), OutputExistsError (out exists
-    without force), CompileError (model wiring), and lets KeyboardInterrupt through after removing
-    the partial bundle; the old bundle in `out` is untouched by any failure.
+    Raises ConfigError (bad plan or flags), BundleError (target or its tools unavailable),
+    OutputExistsError (out exists without force), CompileError (model wiring, a kernel that cannot
+    take its op's shapes), and lets KeyboardInterrupt through after removing the partial bundle;
+    the old bundle in `out` is untouched by any failure.
     """
     console = console or Console(stderr=True)
-    check_target(target)
-    if target != "cpu":
-        from . import backend_neuron  # imports the SDK only inside its per-bucket compile step
-
-        return backend_neuron.compile_bundle(model_cfg, compile_cfg, out, parts, force=force, cache_dir=cache_dir,
-                                             flags=flags, console=console)
+    check_target(target, "compile")
     plan = plan_buckets(compile_cfg, model_cfg)
+    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, target) for pb in plan.buckets}
+    stems = {pb: Path(rel).stem for pb, rel in rels.items()}
+    backend = make_backend(target, flags, list(stems.values()))
     out = Path(out)
     check_output(out, force)
     _check_weights(parts.weights)
@@ -101,8 +180,6 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     except (TypeError, ValueError) as e:
         raise CompileError(f"host preprocessing parameters are not plain JSON data ({e})") from None
 
-    flags = backend_cpu.effective_flags(flags)
-    toolchain = host_toolchain()
     cache = CompileCache(cache_dir if cache_dir is not None else default_cache_dir())
     state = _state_entries(parts.steps, plan)
     fingerprint = getattr(parts.steps, "fingerprint", None)
@@ -111,24 +188,26 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     buckets: list[Bucket] = []
     custom_ops: dict[str, str] = {}
     weight_views: dict[str, str] = {}
+    facts: dict[str, dict[str, Any]] = {}
     compiled = 0
     with BundleWriter(out, force) as writer, _progress(console) as progress:
         tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
         for pb in plan.buckets:
-            task = tasks[pb]
+            task, rel, stem = tasks[pb], rels[pb], stems[pb]
             t0 = time.perf_counter()
-            rel = bucket_file(pb.kind, pb.batch, pb.length, target)
-            prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, flags, toolchain, target, backend_cpu.BACKEND) if fp else None
+            key_flags, key_toolchain = backend.key_ingredients(stem)
+            prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, key_flags, key_toolchain, target,
+                             backend.name) if fp else None
             record = cache.get_alias(prekey) if prekey else None
             how = "cached"
             if record is None:
                 progress.update(task, status="exporting")
-                record, program = _export(parts, pb, target)
-                record["graph_key"] = cache_key(normalised_graph(program), flags, toolchain, target, backend_cpu.BACKEND)
+                record, program = _export(parts, pb, backend)
+                record["graph_key"] = cache_key(normalised_graph(program), key_flags, key_toolchain, target, backend.name)
                 artifact = cache.get(record["graph_key"])
                 if artifact is None:
                     progress.update(task, status="compiling")
-                    backend_cpu.compile_cpu(program, writer.path(rel), flags)
+                    backend.compile(program, writer.path(rel), stem)
                     artifact = cache.put(record["graph_key"], writer.path(rel))
                     how, compiled = "compiled", compiled + 1
                 if prekey:
@@ -136,6 +215,9 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 record["artifact"] = artifact
             if how == "cached":
                 writer.copy_in(record["artifact"], rel)
+            fact = backend.bucket_facts(writer.path(rel), stem)
+            if fact is not None:
+                facts[rel] = fact
             custom_ops.update(record["custom_ops"])
             weight_views.update(record["views"])
             buckets.append(Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=rel,
@@ -149,8 +231,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         for p in tok_files:
             writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")
         manifest = Manifest(
-            target=target, toolchain=toolchain,
-            compiler={"backend": backend_cpu.BACKEND, "flags": flags, "custom_ops": dict(sorted(custom_ops.items()))},
+            target=target, toolchain=backend.toolchain,
+            compiler=backend.compiler_record(dict(sorted(custom_ops.items())), facts),
             model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
             tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
                                 bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
@@ -163,13 +245,13 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     return path
 
 
-def _export(parts: ModelParts, pb: PlannedBucket, target: str) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
-    """Export one bucket with the target's lowering; returns (the bucket's manifest facts as plain
+def _export(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
+    """Export one bucket with the backend's lowering; returns (the bucket's manifest facts as plain
     data, the program). The facts are what the cache's front index stores."""
     graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
         else parts.steps.decode(pb.batch, pb.capacity)
-    mode = inline_mode(target)
-    exported = export_step(graph, parts.weights, pb.label, backend_cpu.INPUT_VIEWS, mode)
+    mode = backend.lowering()
+    exported = export_step(graph, parts.weights, pb.label, backend.input_views, mode)
     record = {"weights": list(exported.weights), "inputs": [s.to_dict() for s in exported.inputs],
               "outputs": [s.to_dict() for s in exported.outputs],
               "views": {n: dtype_name(d) for n, d in exported.views.items()},

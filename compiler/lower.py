@@ -72,8 +72,9 @@ def _reference(name: str) -> Callable | None:
 
 
 def inline_mode(target: str) -> InlineCustomOps | None:
-    """The export-time lowering of `target`: cpu inlines references; raises CompileError for a
-    target without a lowering in this build (the neuron lowering belongs to the NKI backend)."""
+    """The export-time lowering of the cpu target (every custom op inlined from its reference);
+    raises CompileError for any other target (neuron lowers through backend_neuron.lowering,
+    which keeps the ops that have NKI kernels)."""
     if target != "cpu":
         raise CompileError(f"no lowering for target {target!r} in this build (cpu only)")
     return InlineCustomOps()

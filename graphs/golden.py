@@ -90,7 +90,7 @@ def health_stats(golden: Golden, n_tokens: int = 172, seed: int = 0) -> dict[str
     lim = cfg.swiglu_limit
     for i, layer in enumerate(golden.model.layers):
         rms.append(round(cap[f"layers.{i}.out"].float().square().mean().sqrt().item(), 4))
-        idx = cap[f"layers.{i}.ffn.gate.indices"]
+        idx = cap[f"layers.{i}.ffn.gate.indices"].flatten(0, -2)  # [tokens, topk]
         usage.append(torch.bincount(idx.flatten(), minlength=layer.ffn.n_experts).tolist())
         x = cap[f"layers.{i}.ffn.in"].reshape(-1, cfg.dim)
         pairs = [(layer.ffn.shared_experts, x)] + [(layer.ffn.experts[e], x[(idx == e).any(-1)]) for e in range(layer.ffn.n_experts)]

@@ -60,6 +60,9 @@ class _Numerics:
     """
 
     gemm_order: str = "ascending"
+    #: move every element of the embedding output one bf16 step up: the smallest perturbation there
+    #: is, used to measure how far one rounding difference carries (the comparison's second floor)
+    nudge_embedding: bool = False
 
 
 NUMERICS = _Numerics()
@@ -77,6 +80,17 @@ def gemm_order(order: str):
         yield
     finally:
         NUMERICS.gemm_order = prev
+
+
+@contextmanager
+def nudged_embedding():
+    """Run the model with its embedding output one bf16 step up everywhere (NUMERICS.nudge_embedding)."""
+    prev = NUMERICS.nudge_embedding
+    NUMERICS.nudge_embedding = True
+    try:
+        yield
+    finally:
+        NUMERICS.nudge_embedding = prev
 
 
 @dataclass
@@ -615,8 +629,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
-        _cap(capture, f"{prefix}.gate.indices", indices)
-        _cap(capture, f"{prefix}.gate.weights", weights)
+        _cap(capture, f"{prefix}.gate.indices", indices.view(*shape[:-1], -1))
+        _cap(capture, f"{prefix}.gate.weights", weights.view(*shape[:-1], -1))
         y = torch.zeros_like(x, dtype=torch.float32)
         if routed:
             for e in range(self.n_experts):
@@ -796,7 +810,10 @@ class Transformer(nn.Module):
         B, S = tokens.shape
         new: dict[str, torch.Tensor] = {}
         shared: dict[str, torch.Tensor] = {}
-        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        h = self.embed(tokens)
+        if NUMERICS.nudge_embedding:
+            h = torch.nextafter(h, torch.full_like(h, math.inf))
+        h = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         pre_mix = torch.zeros(B, S, self.cfg.hc_mult, dtype=torch.float32, device=tokens.device)
         pre_mix[..., 0] = 1.0
         for i, layer in enumerate(self.layers):

@@ -89,19 +89,50 @@ def decode(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, engram_i
     return logits, {name: new.get(name, state[name]) for name in state}
 
 
-class PrefillStep(nn.Module):
+class _Probes:
+    """Stage probes of a step module: with `probes` set, the step also returns every tensor the
+    model's Capture records (graphs.model), in `probe_names()` order, after the state.
+    Used to build probe bundles for the stage-by-stage golden comparison (`dsneuron compare`)."""
+
+    probes: bool = False
+    _probe_names: list[str] | None = None
+
+    def probe_names(self) -> list[str]:
+        """Names of the captured stages at this step's shapes, found by one run on fake tensors
+        (no arithmetic; a few seconds); [] without probes."""
+        if not self.probes:
+            return []
+        if self._probe_names is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+            cap = Capture()
+            with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode:
+                self._run(*[mode.from_tensor(t) for t in self.example_inputs()], capture=cap)
+            self._probe_names = list(cap.tensors)
+        return self._probe_names
+
+    def forward(self, *inputs):
+        cap = Capture() if self.probes else None
+        logits, state = self._run(*inputs, capture=cap)
+        probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
+        return (logits, *[state[n] for n in self.state_names], *probes)
+
+
+class PrefillStep(_Probes, nn.Module):
     """Exportable prefill at a fixed (batch, seq_len) bucket; weights are `model`'s parameters.
 
     order: the K-block order of every block-scaled GEMM (graphs.model.gemm_order); "fused" by
     default, one GEMM node per projection, which keeps the graph (and its compile time) small.
+    probes: also return every captured stage tensor (see _Probes).
 
     forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])
         -> (logits fp32 [B,V], *state tensors in state_layout order)
     """
 
-    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused"):
+    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False):
         super().__init__()
-        self.model, self.batch, self.seq_len, self.order = model, batch, seq_len, order
+        self.model, self.batch, self.seq_len, self.order, self.probes = model, batch, seq_len, order, probes
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -110,13 +141,12 @@ class PrefillStep(nn.Module):
         return (torch.zeros(B, S, dtype=torch.int64), torch.full((B,), S, dtype=torch.int64),
                 torch.zeros(B, S, E, C, dtype=torch.int64))
 
-    def forward(self, tokens, valid_len, engram_ids):
+    def _run(self, tokens, valid_len, engram_ids, capture: Capture | None = None):
         with gemm_order(self.order):
-            logits, state = prefill(self.model, tokens, valid_len, engram_ids)
-        return (logits, *[state[n] for n in self.state_names])
+            return prefill(self.model, tokens, valid_len, engram_ids, capture)
 
 
-class DecodeStep(nn.Module):
+class DecodeStep(_Probes, nn.Module):
     """Exportable decode of one token per row at a fixed batch and the model's context capacity
     (order as in PrefillStep).
 
@@ -124,9 +154,9 @@ class DecodeStep(nn.Module):
         -> (logits fp32 [B,V], *state')
     """
 
-    def __init__(self, model: Transformer, batch: int, order: str = "fused"):
+    def __init__(self, model: Transformer, batch: int, order: str = "fused", probes: bool = False):
         super().__init__()
-        self.model, self.batch, self.order = model, batch, order
+        self.model, self.batch, self.order, self.probes = model, batch, order, probes
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -136,8 +166,6 @@ class DecodeStep(nn.Module):
         return (torch.zeros(B, 1, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                 torch.zeros(B, 1, E, C, dtype=torch.int64), *[state[n] for n in self.state_names])
 
-    def forward(self, tokens, pos, engram_ids, *state_tensors):
-        state = dict(zip(self.state_names, state_tensors))
+    def _run(self, tokens, pos, engram_ids, *state_tensors, capture: Capture | None = None):
         with gemm_order(self.order):
-            logits, new = decode(self.model, tokens, pos, engram_ids, state)
-        return (logits, *[new[n] for n in self.state_names])
+            return decode(self.model, tokens, pos, engram_ids, dict(zip(self.state_names, state_tensors)), capture)

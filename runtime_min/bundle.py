@@ -3,7 +3,7 @@
 `open_bundle` checks, in this order, and raises BundleError naming the first problem:
 1. the folder and its manifest.json exist; the manifest's format and schema version are known
    (checked before any other field is read), and it parses;
-2. the target is available on this host (cpu: always; neuron: the SDK packages import);
+2. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports);
 3. the toolchain is compatible (below);
 4. every file the manifest lists exists with the recorded size and sha256, and every file the bundle
    uses (weights, tokenizer, bucket executables) is listed. Executables are code: none is loaded
@@ -14,6 +14,10 @@ libtorch, so the torch release (major.minor.patch, the local build tag such as "
 equal the compiling one; the machine architecture must match; and the host must offer every ISA
 extension the compiling host had, because the generated code is built with -march=native. The
 Python version is recorded but not checked: the executables do not link libpython.
+On the neuron target none of these host rules apply: a NEFF holds no host code and runs on the
+NeuronCores through the Neuron runtime. Its rules (the SDK release that compiled it, and each
+NEFF's header against this host's logical core size) are checked by runtime_min/executor_neuron.py
+when a session is made, before any NEFF is loaded.
 
 Nothing on this path unpickles: the manifest is JSON, weights are safetensors, the tokenizer is
 JSON, and executables are loaded by the backend's own loader (see executor_cpu.py).
@@ -33,11 +37,14 @@ from safetensors import safe_open
 
 from .schema import MANIFEST, BundleError, Manifest, parse_dtype
 
-# Import names of the Neuron SDK; AWS serves them from its own pip index (the PyPI packages of
-# these names are placeholders).
-NEURON_PACKAGES = ("torch_neuronx", "neuronxcc", "nki")
+# Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
+# of these names are placeholders). Compiling traces on the XLA device (torch_neuronx), runs
+# neuronx-cc (neuronxcc) and imports the NKI kernels (nki); running a bundle loads its NEFFs through
+# torch_neuronx alone (runtime_min/executor_neuron.py).
+NEURON_PACKAGES = {"compile": ("torch_neuronx", "neuronxcc", "nki"), "run": ("torch_neuronx",)}
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 TARGETS = ("cpu", "neuron")
+USES = ("compile", "run")
 _ISA = re.compile(r"^(sse\w*|ssse3|avx\w*|fma\w*|f16c|bmi\d|amx\w*|asimd\w*|sve\w*|bf16|i8mm|fphp)$")
 
 
@@ -60,26 +67,35 @@ def cpu_isa() -> list[str]:
     return []
 
 
-def missing_packages(target: str) -> list[str]:
-    """Import names that `target` needs and this host lacks ([] = available)."""
+def missing_packages(target: str, use: str = "compile") -> list[str]:
+    """Import names that `use` ("compile" or "run") of `target` needs and this host lacks
+    ([] = available). cpu needs a torch built with AOTInductor for both; neuron: `NEURON_PACKAGES`.
+    Raises BundleError for an unknown target, ValueError for an unknown use."""
+    if use not in USES:
+        raise ValueError(f"use must be one of {USES}, got {use!r}")
     if target == "cpu":
         return [] if hasattr(torch._C, "_aoti") else ["torch (built with AOTInductor)"]
     if target == "neuron":
-        return [p for p in NEURON_PACKAGES if importlib.util.find_spec(p) is None]
+        return [p for p in NEURON_PACKAGES[use] if importlib.util.find_spec(p) is None]
     raise BundleError(f"unknown target {target!r} (known: {', '.join(TARGETS)})")
 
 
-def check_target(target: str) -> None:
-    """Raise BundleError naming the missing packages when `target` cannot run here."""
-    missing = missing_packages(target)
+def check_target(target: str, use: str = "compile") -> None:
+    """Raise BundleError naming the missing packages when this host cannot `use` ("compile" or
+    "run") `target`: compiling checks every tool, running only what loads the executables."""
+    missing = missing_packages(target, use)
     if missing:
         where = f"; they come from the AWS Neuron pip index ({NEURON_INDEX})" if target == "neuron" else ""
-        raise BundleError(f"target {target!r} is not available on this host: missing Python packages "
+        doing = "for compiling" if use == "compile" else "for running bundles"
+        raise BundleError(f"target {target!r} is not available on this host {doing}: missing Python packages "
                           f"{', '.join(missing)}{where}")
 
 
-def check_toolchain(recorded: dict[str, object], host: dict[str, object] | None = None) -> None:
-    """Raise BundleError when executables built with `recorded` cannot run on `host` (module docstring)."""
+def check_toolchain(recorded: dict[str, object], host: dict[str, object] | None = None, target: str = "cpu") -> None:
+    """Raise BundleError when `target` executables built with `recorded` cannot run on `host`
+    (default: this host); the rules are the module docstring's (none for neuron here)."""
+    if target != "cpu":
+        return
     host = host_toolchain() if host is None else host
     want, have = _release(str(recorded.get("torch"))), _release(str(host["torch"]))
     if want != have:
@@ -169,7 +185,7 @@ def open_bundle(path: str | Path) -> Bundle:
     manifest = Manifest.from_json(mpath.read_text())
     if manifest.target not in TARGETS:
         raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
-    check_target(manifest.target)
-    check_toolchain(manifest.toolchain)
+    check_target(manifest.target, "run")
+    check_toolchain(manifest.toolchain, target=manifest.target)
     verify_files(root, manifest)
     return Bundle(root, manifest)

@@ -54,10 +54,13 @@ def sdk_versions() -> dict[str, str | None]:
 
 
 def check_sdk_versions(recorded: Mapping[str, Any], host: Mapping[str, Any] | None = None) -> None:
-    """Raise BundleError unless `host` (default: this host) has the recorded torch-neuronx and
-    neuronx-cc releases."""
+    """Raise BundleError unless `host` (default: this host) has the recorded torch-neuronx release
+    and, where neuronx-cc is installed at all, its recorded release (a host that only runs bundles
+    needs no compiler)."""
     host = sdk_versions() if host is None else host
     for key in MATCHING:
+        if key == "neuronx_cc" and host.get(key) is None:
+            continue
         if recorded.get(key) != host.get(key):
             raise BundleError(f"bundle was compiled with {SDK_DISTRIBUTIONS[key]} {recorded.get(key)}, this host has "
                               f"{host.get(key)}; a NEFF runs only with the SDK release that compiled it: "

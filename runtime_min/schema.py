@@ -49,6 +49,10 @@ EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
 LOWERING_MODES = ("inline", "call")
 
 
+#: outputs named "probe.<stage>" are stage tensors of a probe bundle (`dsneuron compile --probes`),
+#: returned for the golden comparison and never carried as state
+PROBE_PREFIX = "probe."
+
 class BundleError(UserError):
     """A bundle cannot be used: missing or tampered file, unknown schema version, unavailable target,
     incompatible toolchain or malformed manifest. The message names the file or field and the limit."""

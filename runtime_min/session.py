@@ -37,14 +37,12 @@ from . import select
 from .bundle import Bundle, open_bundle
 from .executor_cpu import CpuExecutable, register_custom_ops
 from .sampling import check_params, sample
-from .schema import Bucket, BundleError, StateEntry, TensorSpec
+from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 if TYPE_CHECKING:
     from .executor_neuron import NeuronExecutable
 
 DATA_INPUTS = ("tokens", "valid_len", "pos", "engram_ids")
-#: outputs named "probe.<stage>" are stage tensors of a probe bundle (`dsneuron compile --probes`), not state
-PROBE_PREFIX = "probe."
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dsneuron.compiler.config import load_config
+from dsneuron.compiler.config import CompileConfig, load_config
 from dsneuron.graphs.config import ModelConfig
 
 
@@ -33,3 +35,29 @@ def micro_golden(micro_cfg: ModelConfig, micro_checkpoint: Path):
     from dsneuron.graphs.golden import Golden
 
     return Golden(micro_cfg, micro_checkpoint, load_config("micro")[1].max_seq_len)
+
+
+@dataclass
+class MicroBundle:
+    """A compiled micro bundle and what it was built from."""
+
+    path: Path
+    model_cfg: ModelConfig
+    compile_cfg: CompileConfig
+    cache: Path
+
+
+@pytest.fixture(scope="session")
+def micro_bundle(tmp_path_factory: pytest.TempPathFactory, micro_checkpoint: Path) -> MicroBundle:
+    """A probe bundle (`compile --probes`) of micro with one prefill bucket (batch 1, seq_len 16) and
+    one decode bucket (batch 1, capacity 64), compiled once per session: two AOTInductor compiles,
+    about 4-5 minutes on 2 cores. Shared by the main-job, compare and bucket-regression tests."""
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+                                      checkpoint=str(micro_checkpoint))
+    root = tmp_path_factory.mktemp("micro_bundle")
+    parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache", probes=True)
+    out = compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache")
+    return MicroBundle(out, model_cfg, compile_cfg, root / "cache")

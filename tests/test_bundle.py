@@ -172,8 +172,8 @@ def test_unknown_schema_version(monkeypatch, capsys, copy):
 @pytest.mark.skipif(not missing_packages("neuron"), reason="the Neuron SDK is installed here")
 def test_unavailable_target(monkeypatch, capsys, copy):
     edit_manifest(copy, lambda m: m.update(target="neuron"))
-    with pytest.raises(BundleError, match=r"target 'neuron' is not available on this host: missing Python packages "
-                                          r"torch_neuronx, neuronxcc, nki; .*AWS Neuron pip index"):
+    with pytest.raises(BundleError, match=r"target 'neuron' is not available on this host for running bundles: "
+                                          r"missing Python packages torch_neuronx; .*AWS Neuron pip index"):
         open_bundle(copy)
     assert run_cli(monkeypatch, "run", str(copy), "--prompt", "hi") == 2
 
@@ -239,7 +239,7 @@ def cli_kit(tmp_path, monkeypatch):
     kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
     config = tmp_path / "stand_in.json"
     config.write_text(json.dumps({"model": kit.model_cfg.to_dict(), "compile": kit.compile_cfg.to_dict()}))
-    monkeypatch.setattr(pipeline, "build_steps_for_config", lambda m, c, cache_dir=None: kit.parts)
+    monkeypatch.setattr(pipeline, "build_steps_for_config", lambda m, c, cache_dir=None, probes=False: kit.parts)
     calls = []
 
     def fake(program, out, flags):
@@ -335,7 +335,7 @@ def test_neuron_target_fails_fast(monkeypatch, capsys, tmp_path, cli_kit):
     if not missing_packages("neuron"):
         pytest.skip("the Neuron SDK is installed here")
     _, config, calls = cli_kit
-    monkeypatch.setattr(pipeline, "build_steps_for_config", lambda m, c, cache_dir=None: pytest.fail("did work before failing"))
+    monkeypatch.setattr(pipeline, "build_steps_for_config", lambda m, c, cache_dir=None, probes=False: pytest.fail("did work before failing"))
     out = tmp_path / "art"
     assert run_cli(monkeypatch, *compile_args(config, out, tmp_path, "--target", "neuron")) == 2
     err = capsys.readouterr().err

@@ -364,10 +364,14 @@ from dsneuron.compiler.cache import cache_key, normalised_graph, pre_key
 from dsneuron.runtime_min.bundle import host_toolchain
 kit = stand_in.make_kit(root / "kit", {"max_seq_len": 8, "decode_context_lens": [8]})
 pb = plan_buckets(kit.compile_cfg, kit.model_cfg).buckets[0]
-record, program = pipeline._export(kit.parts, pb, "cpu")
+from types import SimpleNamespace
+from dsneuron.kernels_nki.neuron_adapters import NkiBinding, call_sparse_attn
+record, program = pipeline._export(kit.parts, pb, pipeline.CpuBackend(None))
 flags, tc = backend_cpu.effective_flags(None), host_toolchain()
-kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": "stand_in:gated_mix"})
-nrecord, nprogram = backend_neuron._export(kit.parts, pb, kernels)
+# any module-level function serves as the adapter: only its module's source enters the key
+kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": NkiBinding("stand_in:gated_mix", call_sparse_attn)})
+neuron = SimpleNamespace(lowering=lambda: backend_neuron.lowering(kernels), input_views=backend_neuron.INPUT_VIEWS)
+nrecord, nprogram = pipeline._export(kit.parts, pb, neuron)
 nflags = ["--target=trn2", "-O1"]
 print(json.dumps({
     "cpu": cache_key(normalised_graph(program), flags, tc, "cpu", backend_cpu.BACKEND),

@@ -1,6 +1,9 @@
 """The neuron target: NEFF header checks (runtime_min/neff.py), neuronx-cc flags and cache keys
-(compiler/backend_neuron.py), the fail-fast without the SDK, the bundle pipeline and the executor
-choice with a stand-in for the SDK seam, and SDK-gated tests that compile and run on Trainium.
+(compiler/backend_neuron.py), the fail-fast without the SDK, the bundle pipeline (one loop for both
+targets, compiler/compile.py) and the executor choice with a stand-in for the SDK seam, the NKI
+kernel adapters (kernels_nki/neuron_adapters.py) run against the NumPy stand-in of `nki` and
+compared with the torch reference ops, what a host needs to compile or only to run a neuron bundle
+(runtime_min/bundle.py), and SDK-gated tests that compile and run on Trainium.
 
 Every NEFF written here is a SYNTHETIC test file: a header laid out by hand from the documented
 struct (aws-neuron-sdk:neuron-runtime/explore/work-with-neff-files.rst) in front of a small gzip'd
@@ -9,7 +12,9 @@ tar. Nothing here produces or claims a real NEFF.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import importlib.machinery
 import importlib.util
 import io
 import json
@@ -18,17 +23,29 @@ import struct
 import tarfile
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from rich.console import Console
 
 import stand_in
+from oracles import assert_close, f64, ulp_distance_bf16
 from stand_in import run_cli
-from dsneuron.compiler import backend_neuron
+from test_mqa_logits import MqaCase, make_blocks, make_mqa_inputs
+from test_nki_kernels import KERNEL_MODULES
+from test_sparse_attn import ABS_TOL, COS_TOL, REL_TOL
+from test_sparse_attn import Case as AttnCase
+from test_sparse_attn import make_inputs as make_attn_inputs
+from dsneuron.compiler import backend_cpu, backend_neuron
 from dsneuron.compiler import compile as pipeline
 from dsneuron.compiler.cache import cache_key, normalised_graph
-from dsneuron.compiler.export import CompileError
+from dsneuron.compiler.export import CompileError, export_step
 from dsneuron.graphs.config import ConfigError
+from dsneuron.compiler.lower import finish
+from dsneuron.kernels_nki import sim
+from dsneuron.kernels_nki.neuron_adapters import (BINDINGS, NkiBinding, call_mqa_logits, call_mqa_logits_sparse,
+                                                  call_sparse_attn)
 from dsneuron.runtime_min import bundle as bundle_mod
 from dsneuron.runtime_min.bundle import missing_packages, open_bundle
 from dsneuron.runtime_min.executor_neuron import NeuronExecutor, check_sdk_versions, neff_records
@@ -229,6 +246,10 @@ def tiny_program():
     return torch.export.export(Tiny(), (torch.zeros(2, 8),), strict=False)
 
 
+def kernel_entry(sha: str) -> dict:
+    return {"kernel": "m:f", "kernel_sha256": sha, "adapter": "a:g", "adapter_sha256": "aa"}
+
+
 def neuron_key(program, args, toolchain=None, kernels=None):
     tc = backend_neuron.key_toolchain(toolchain or {"torch": "2.9.0", "neuronx_cc": "2.21"}, kernels or {})
     return cache_key(normalised_graph(program), list(args), tc, "neuron", backend_neuron.BACKEND)
@@ -243,9 +264,10 @@ def test_neuron_key_ignores_spelling_and_order_and_sees_every_change(tiny_progra
                flags({"target": "trn2"}, env={"NEURON_CC_FLAGS": "--enable-saturate-infinity"})]
     keys = {neuron_key(tiny_program, f.per_bucket["prefill_b1_s8"]) for f in changed}
     keys |= {neuron_key(tiny_program, base, toolchain={"torch": "2.9.0", "neuronx_cc": "2.22"}),
-             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": "m:f 00"}),
-             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": "m:f 01"})}
-    assert len(keys | {neuron_key(tiny_program, base)}) == len(changed) + 4
+             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": kernel_entry("00")}),
+             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": kernel_entry("01")}),
+             neuron_key(tiny_program, base, kernels={"dsneuron::sparse_attn": {**kernel_entry("00"), "adapter_sha256": "ab"}})}
+    assert len(keys | {neuron_key(tiny_program, base)}) == len(changed) + 5
 
 
 def test_key_toolchain_leaves_out_the_compiling_host():
@@ -254,18 +276,29 @@ def test_key_toolchain_leaves_out_the_compiling_host():
     assert a == b
 
 
-def test_kernel_sources_hash_the_module_without_importing_it(tmp_path, monkeypatch):
+def test_kernel_sources_hash_kernel_and_adapter_modules_without_importing_the_kernel(tmp_path, monkeypatch):
     mod = tmp_path / "fake_nki_kernel_mod.py"
     mod.write_text("import nki_that_is_not_installed\n\ndef kernel(x):\n    return x\n")
+    adapter = tmp_path / "fake_adapter_mod.py"
+    adapter.write_text("def call(kernel, x):\n    return kernel(x)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    first = backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:kernel"})
+    import fake_adapter_mod
+
+    def sources(kernel="fake_nki_kernel_mod:kernel"):
+        return backend_neuron.kernel_sources({"ns::op": NkiBinding(kernel, fake_adapter_mod.call)})["ns::op"]
+
+    first = sources()
+    assert (first["kernel"], first["adapter"]) == ("fake_nki_kernel_mod:kernel", "fake_adapter_mod:call")
     mod.write_text("import nki_that_is_not_installed\n\ndef kernel(x):\n    return x + 0\n")
-    assert first != backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:kernel"})
-    assert first["ns::op"].startswith("fake_nki_kernel_mod:kernel ")
+    second = sources()
+    assert second["kernel_sha256"] != first["kernel_sha256"] and second["adapter_sha256"] == first["adapter_sha256"]
+    adapter.write_text("def call(kernel, x):\n    return kernel(x + 0)\n")
+    assert sources()["adapter_sha256"] != first["adapter_sha256"]
     with pytest.raises(CompileError, match="fake_nki_kernel_mod defines no top-level other_kernel"):
-        backend_neuron.kernel_sources({"ns::op": "fake_nki_kernel_mod:other_kernel"})
+        sources("fake_nki_kernel_mod:other_kernel")
     with pytest.raises(CompileError, match="module no_such_kernel_mod not found"):
-        backend_neuron.kernel_sources({"ns::op": "no_such_kernel_mod:kernel"})
+        sources("no_such_kernel_mod:kernel")
+    assert set(backend_neuron.kernel_sources()) == set(BINDINGS)  # the real table: every kernel module found
 
 
 # ------------------------------------------------------------------------------------------ fail fast
@@ -288,6 +321,14 @@ def test_compile_without_sdk_fails_before_any_work(monkeypatch, capsys, tmp_path
 
 
 # ------------------------------------------------------------------------------------------ pipeline with a stand-in SDK seam
+def in_order(kernel, *args, **kwargs):
+    """A test adapter: the kernel takes the op's arguments as they are."""
+    return kernel(*args, **kwargs)
+
+
+GATED_MIX = NkiBinding("stand_in:gated_mix", in_order)
+
+
 class FakeSeam:
     """Stands in for `compile_neff` (the only step that needs the SDK): writes a synthetic NEFF whose
     payload depends on the graph and records each call."""
@@ -309,8 +350,8 @@ def fake_sdk(monkeypatch):
     """The Neuron SDK 'present' for check_target, the stand-in's custom op mapped to an 'NKI kernel'
     (stand_in.gated_mix), a neuronx-cc path, and FakeSeam for the compile step."""
     real = bundle_mod.missing_packages
-    monkeypatch.setattr(bundle_mod, "missing_packages", lambda t: [] if t == "neuron" else real(t))
-    monkeypatch.setattr(backend_neuron, "NKI_KERNELS", {"dsneuron_test::gated_mix": "stand_in:gated_mix"})
+    monkeypatch.setattr(bundle_mod, "missing_packages", lambda t, use="compile": [] if t == "neuron" else real(t, use))
+    monkeypatch.setattr(backend_neuron, "NKI_KERNELS", {"dsneuron_test::gated_mix": GATED_MIX})
     monkeypatch.setattr(backend_neuron, "require_compiler", lambda: "/opt/aws/neuron/bin/neuronx-cc")
     monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
@@ -378,13 +419,33 @@ def test_a_neff_with_the_wrong_lnc_is_never_bundled(fake_sdk, neuron_kit, tmp_pa
     assert not (tmp_path / "bad").exists()
 
 
+def test_one_loop_makes_both_targets_bundles_alike(fake_sdk, neuron_kit, monkeypatch, tmp_path):
+    """cpu and neuron bundles of one model come from the same loop: everything but the target's
+    own entries (target, toolchain, compiler, executable files, input views) is equal."""
+    kit, compile_to = neuron_kit
+    monkeypatch.setattr(backend_cpu, "compile_cpu", lambda program, out, flags: out.write_text(normalised_graph(program)))
+    cpu_out = pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / "cpu", kit.parts,
+                                      cache_dir=tmp_path / "cache", console=QUIET)
+    cpu = Manifest.from_json((cpu_out / "manifest.json").read_text())
+    neuron = Manifest.from_json((compile_to("neuron", {"target": "trn2"}) / "manifest.json").read_text())
+    own = {"target", "toolchain", "compiler", "files", "buckets", "weight_views"}
+    shared = [f.name for f in dataclasses.fields(Manifest) if f.name not in own]
+    assert [getattr(cpu, n) for n in shared] == [getattr(neuron, n) for n in shared]
+    strip = lambda b: dataclasses.replace(b, file=Path(b.file).stem, cache_key="")  # noqa: E731
+    assert [strip(b) for b in cpu.buckets] == [strip(b) for b in neuron.buckets]
+    assert (cpu.compiler["backend"], neuron.compiler["backend"]) == ("aot_inductor", "neuronx-cc")
+    assert set(cpu.compiler) == {"backend", "flags", "custom_ops"} and "neff" in neuron.compiler
+    assert cpu.compiler["custom_ops"] == {"dsneuron_test::gated_mix": "inline"}
+    assert cpu.weight_views == {"proj_scale": "uint8"} and neuron.weight_views == {"proj": "uint8", "proj_scale": "uint8"}
+    with pytest.raises(BundleError, match="unknown target 'tpu'"):
+        pipeline.make_backend("tpu", None, [])
+
+
 def test_neuron_lowering_keeps_kernel_ops_and_inlines_the_rest(neuron_kit):
     kit, _ = neuron_kit
     step = kit.parts.steps.decode(2, 8)
-    from dsneuron.compiler.export import export_step
-    from dsneuron.compiler.lower import finish
-    for table, want in (({"dsneuron_test::gated_mix": "stand_in:gated_mix"}, "call"), ({}, "inline")):
-        mode = backend_neuron.lowering(table)
+    for table, want in (({"dsneuron_test::gated_mix": GATED_MIX}, "call"), ({}, "inline")):
+        mode = backend_neuron.lowering(backend_neuron.kernel_sources(table))
         exported = export_step(step, kit.parts.weights, "decode b2 s8", backend_neuron.INPUT_VIEWS, mode)
         assert finish(exported.program, mode, "decode") == {"dsneuron_test::gated_mix": want}
 
@@ -411,7 +472,8 @@ def test_nki_dispatch_calls_the_kernel_with_the_ops_arguments(tiny_op_program):
     sys.modules[mod.__name__] = mod
     try:
         for lnc, grid in ((1, None), (2, 2)):
-            with backend_neuron.NkiDispatch({"dsneuron_test::gated_mix": f"{mod.__name__}:kernel"}, lnc):
+            with backend_neuron.NkiDispatch({"dsneuron_test::gated_mix": NkiBinding(f"{mod.__name__}:kernel", in_order)},
+                                            lnc):
                 got = program.module()(x, y)
             torch.testing.assert_close(got, (x - y) * 3, rtol=0, atol=0)
             assert seen[-1] == (grid, 0.5)
@@ -427,6 +489,188 @@ def tiny_op_program():
 
     x, y = torch.randn(4), torch.randn(4)
     return torch.export.export(UsesOp(), (x, y), strict=False), x, y
+
+
+# ------------------------------------------------------------------------------------------ NKI kernel adapters
+class TorchKernel:
+    """What `@nki.jit` does with framework tensors, around a kernel of the NumPy stand-in: torch
+    tensors in, torch tensors out (bf16 through ml_dtypes). Only the dtypes the NKI kernels read
+    cross (bf16, fp32, int32, uint8): an fp8 tensor an adapter forgot to pass as bytes raises
+    TypeError. `calls` records each call's arguments as (dtype, shape) or the constant."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __call__(self, *args):
+        self.calls.append([(a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args])
+        return self._to_torch(self.kernel(*(self._to_numpy(a) for a in args)))
+
+    @staticmethod
+    def _to_numpy(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        if a.dtype == torch.bfloat16:
+            return a.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if a.dtype not in (torch.float32, torch.int32, torch.uint8):
+            raise TypeError(f"the NKI kernels take no {a.dtype} tensor")
+        return a.contiguous().numpy()
+
+    @staticmethod
+    def _to_torch(a):
+        assert a.dtype == ml_dtypes.bfloat16, a.dtype  # both kernels return bf16
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def nki_kernels():
+    """The two kernel modules imported against the NumPy stand-in of `nki` (sim.installed)."""
+    with sim.installed(KERNEL_MODULES) as modules:
+        yield modules
+
+
+@pytest.fixture()
+def wrapped(nki_kernels, monkeypatch):
+    """Each kernel of the real NKI_KERNELS table, as NkiDispatch imports it, replaced by its
+    TorchKernel; returns {op: TorchKernel}."""
+    out = {}
+    for op, binding in BINDINGS.items():
+        module, _, name = binding.kernel.partition(":")
+        mod = next(m for m in nki_kernels if m.__name__ == module)
+        out[op] = TorchKernel(getattr(mod, name))
+        monkeypatch.setattr(mod, name, out[op])
+    return out
+
+
+def _same_logits(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """The kernel contract against the torch op (test_nki_kernels.py): same shape, row stride and
+    -inf positions; one bf16 step at most and equal almost everywhere."""
+    assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype), what
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref)), what
+    finite = torch.isfinite(ref)
+    dist = ulp_distance_bf16(out[finite], ref[finite].float().numpy())
+    assert dist.max(initial=0) <= 1 and (dist == 0).mean() >= 0.999, what
+
+
+@pytest.mark.parametrize("case", [
+    AttnCase("k63", 1, 3, 4, 128, 90, 63, seed=90),
+    AttnCase("k64-empty-rows", 1, 4, 2, 128, 70, 64, empty_rows=0.3, seed=91),
+    AttnCase("k130-d256-b2", 2, 2, 4, 256, 150, 130, seed=92),
+    AttnCase("k0", 1, 2, 2, 128, 30, 0, seed=93),
+], ids=lambda c: c.id)
+def test_sparse_attn_adapter_pads_the_index_list_and_matches_the_op(wrapped, case):
+    args = make_attn_inputs(case)
+    kernel = wrapped["dsneuron::sparse_attn"]
+    out = call_sparse_attn(kernel, *args)
+    padded = max(64, -(-case.k // 64) * 64)
+    (_, q_shape), _, _, (idx_dtype, idx_shape), scale = kernel.calls[-1]
+    assert idx_dtype == torch.int32 and idx_shape == (case.b, case.s, padded) and scale == args[4]
+    ref = torch.ops.dsneuron.sparse_attn(*args)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert (ulp_distance_bf16(out, ref.float().numpy()) == 0).mean() >= 0.999, case.id
+    assert_close(out, f64(ref), abs_tol=ABS_TOL, rel_tol=REL_TOL, cos_tol=COS_TOL, what=case.id)
+
+
+def test_sparse_attn_adapter_pads_with_empty_slots(wrapped):
+    """The padding must be empty slots: kv row 0 set far apart from the rest shows whether the
+    pad reads it (a pad of 0 would attend to row 0 and move every output)."""
+    q, kv, sink, idx, scale = make_attn_inputs(AttnCase("pad", 1, 2, 2, 128, 40, 10, invalid=0.0, seed=94))
+    kv[0, 0] = 50.0
+    idx = torch.where(idx == 0, 1, idx)
+    out = call_sparse_attn(wrapped["dsneuron::sparse_attn"], q, kv, sink, idx, scale)
+    ref = torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, scale)
+    assert_close(out, f64(ref), abs_tol=ABS_TOL, rel_tol=REL_TOL, cos_tol=COS_TOL, what="pad")
+
+
+def _as_variant(args, fp4_dtype, scale_dtype):
+    q, q_sf, kv, kv_sf, w, ks, ke = args
+    if q.dtype != torch.float8_e4m3fn:
+        q, kv = q.view(fp4_dtype), kv.view(fp4_dtype)
+    return q, q_sf.view(scale_dtype), kv, kv_sf.view(scale_dtype), w, ks, ke
+
+
+MQA_VARIANTS = [  # (case, packed fp4 dtype, scale dtype, columns)
+    (MqaCase("fp8-e8m0-cols300", "fp8", 5, 4, 64, 300, "full", seed=95), None, torch.float8_e8m0fnu, 300),
+    (MqaCase("fp4-int8-bf16w-cols256", "fp4", 4, 2, 64, 260, "random", weights="bf16", seed=96), torch.int8,
+     torch.uint8, 256),
+    (MqaCase("fp4-x2-cols513", "fp4", 3, 2, 32, 513, "cp", seed=97), torch.float4_e2m1fn_x2, torch.float8_e8m0fnu,
+     513),
+    (MqaCase("fp4-uint8-cols1", "fp4", 3, 1, 32, 9, "causal", seed=98), torch.uint8, torch.uint8, 1),
+]
+
+
+@pytest.mark.parametrize("case, fp4_dtype, scale_dtype, cols", MQA_VARIANTS, ids=lambda v: getattr(v, "id", ""))
+def test_mqa_logits_adapter_passes_bytes_and_returns_the_ops_layout(wrapped, case, fp4_dtype, scale_dtype, cols):
+    args = _as_variant(make_mqa_inputs(case), fp4_dtype, scale_dtype)
+    kernel = wrapped["dsneuron::mqa_logits"]
+    out = call_mqa_logits(kernel, *args, cols)
+    call = kernel.calls[-1]
+    assert [c[0] for c in call[:4]] == [torch.uint8] * 4 and call[-2:] == [cols, case.fmt]
+    _same_logits(out, torch.ops.dsneuron.mqa_logits(*args, cols), case.id)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_mqa_logits_sparse_adapter_matches_the_op(wrapped, block_size):
+    case = MqaCase("sparse", "fp4", 4, 2, 64, 120, "random", seed=99)
+    args = _as_variant(make_mqa_inputs(case), torch.int8, torch.float8_e8m0fnu)
+    blocks = make_blocks(args[5], args[6], case.t, 6, block_size, np.random.default_rng(99))
+    kernel = wrapped["dsneuron::mqa_logits_sparse"]
+    out = call_mqa_logits_sparse(kernel, *args, blocks, block_size)
+    assert kernel.calls[-1][-2:] == [block_size, "fp4"]
+    _same_logits(out, torch.ops.dsneuron.mqa_logits_sparse(*args, blocks, block_size), f"sparse B={block_size}")
+
+
+def test_mqa_adapters_answer_empty_results_without_the_kernel(wrapped):
+    args = make_mqa_inputs(MqaCase("empty", "fp8", 3, 2, 32, 10, "full", seed=100))
+    dense, sparse = wrapped["dsneuron::mqa_logits"], wrapped["dsneuron::mqa_logits_sparse"]
+    out = call_mqa_logits(dense, *args, 0)
+    ref = torch.ops.dsneuron.mqa_logits(*args, 0)
+    assert (out.shape, out.stride(), out.dtype) == (ref.shape, ref.stride(), ref.dtype)
+    no_blocks = torch.zeros(3, 0, dtype=torch.int32)
+    out = call_mqa_logits_sparse(sparse, *args, no_blocks, 8)
+    assert out.shape == (3, 0) and dense.calls == [] and sparse.calls == []
+
+
+class UsesKernelOps(torch.nn.Module):
+    """A step that calls the two kernel ops the way the model does (bf16 attention output combined
+    with fp32 logits)."""
+
+    def forward(self, q, kv, sink, idx, mq, mq_sf, mkv, mkv_sf, w, ks, ke):
+        o = torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, 0.125)
+        logits = torch.ops.dsneuron.mqa_logits(mq, mq_sf, mkv, mkv_sf, w, ks, ke, 40)
+        return o.float().sum(-1), logits.float() * 2
+
+
+def _kernel_op_inputs(d=128):
+    q, kv, sink, idx, _ = make_attn_inputs(AttnCase("step", 1, 3, 2, d, 50, 20, seed=101))
+    return (q, kv, sink, idx, *make_mqa_inputs(MqaCase("step", "fp8", 3, 2, 32, 40, "causal", seed=102)))
+
+
+def test_neuron_lowering_and_dispatch_run_the_kernels_in_place_of_the_ops(wrapped):
+    """Export with the neuron lowering (the kernel ops stay calls), then run the program under
+    NkiDispatch with the real NKI_KERNELS table: each op reaches its stand-in kernel through its
+    adapter, and the step's outputs match the program run with the torch references."""
+    inputs = _kernel_op_inputs()
+    mode = backend_neuron.lowering(backend_neuron.kernel_sources())
+    with mode:
+        program = torch.export.export(UsesKernelOps(), inputs, strict=False)
+    assert finish(program, mode, "step") == {"dsneuron::mqa_logits": "call", "dsneuron::sparse_attn": "call"}
+    want = program.module()(*inputs)
+    with backend_neuron.NkiDispatch(BINDINGS, 1):
+        got = program.module()(*inputs)
+    assert len(wrapped["dsneuron::sparse_attn"].calls) == 1 and len(wrapped["dsneuron::mqa_logits"].calls) == 1
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    finite = torch.isfinite(want[1])
+    assert (got[1][finite] == want[1][finite]).float().mean() >= 0.99
+
+
+def test_a_kernel_that_cannot_take_the_shapes_is_named(wrapped):
+    inputs = _kernel_op_inputs(d=64)  # the sparse-attention kernel tiles D in 128s
+    program = torch.export.export(UsesKernelOps(), inputs, strict=False)
+    with pytest.raises(CompileError, match=r"dsneuron::sparse_attn: its NKI kernel dsneuron.kernels_nki.sparse_attn_nki:"
+                                           r"sparse_attn_kernel cannot take these arguments: .*multiple of 128"):
+        with backend_neuron.NkiDispatch(BINDINGS, 1):
+            program.module()(*inputs)
 
 
 # ------------------------------------------------------------------------------------------ runtime
@@ -451,6 +695,9 @@ def test_executor_refuses_other_sdk_releases_and_missing_records(fake_sdk, neuro
     out = compile_to("b", {"target": "trn2"})
     m = Manifest.from_json((out / "manifest.json").read_text())
     check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"})
+    check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": "2.9.0", "neuronx_cc": None})
+    with pytest.raises(BundleError, match=r"compiled with torch-neuronx 2.9.0, this host has None"):
+        check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": None, "neuronx_cc": "2.21.1"})
     with pytest.raises(BundleError, match=r"compiled with neuronx-cc 2.21.1, this host has 2.22.0; .* recompile"):
         check_sdk_versions({"torch_neuronx": "2.9.0", "neuronx_cc": "2.21.1"}, {"torch_neuronx": "2.9.0", "neuronx_cc": "2.22.0"})
     assert set(neff_records(m)) == {b.file for b in m.buckets}
@@ -468,6 +715,58 @@ def test_bundle_moved_to_another_folder_still_loads(fake_sdk, neuron_kit, tmp_pa
     manifest = Manifest.from_json((moved / "manifest.json").read_text())
     assert set(NeuronExecutor(moved, manifest, environ={}, product_name="").headers) == \
         {"buckets/decode_b2_s8.neff", "buckets/prefill_b2_s8.neff"}
+
+
+@pytest.fixture()
+def sdk_for_running_only(monkeypatch):
+    """This host 'has' torch_neuronx but neither neuronxcc nor nki: a host that only runs bundles."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "torch_neuronx":
+            return importlib.machinery.ModuleSpec(name, None)
+        return None if name in ("neuronxcc", "nki") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_running_needs_torch_neuronx_only_and_compiling_needs_the_whole_sdk(sdk_for_running_only):
+    assert missing_packages("neuron", "run") == []
+    assert missing_packages("neuron", "compile") == missing_packages("neuron") == ["neuronxcc", "nki"]
+    bundle_mod.check_target("neuron", "run")
+    with pytest.raises(BundleError, match=r"target 'neuron' is not available on this host for compiling: missing "
+                                          r"Python packages neuronxcc, nki; they come from the AWS Neuron pip index"):
+        bundle_mod.check_target("neuron", "compile")
+    with pytest.raises(ValueError, match="use must be one of"):
+        missing_packages("neuron", "deploy")
+
+
+def test_a_run_only_host_opens_a_neuron_bundle_compiled_on_another_host(fake_sdk, neuron_kit, monkeypatch,
+                                                                         sdk_for_running_only):
+    """No cpu rule applies to a neuron bundle: another torch release, machine and CPU features of
+    the compiling host do not matter (the NEFF holds no host code)."""
+    _, compile_to = neuron_kit
+    out = compile_to("b", {"target": "trn2"})
+    monkeypatch.setattr(bundle_mod, "missing_packages", missing_packages)  # the real check, on the run-only host
+    raw = json.loads((out / "manifest.json").read_text())
+    raw["toolchain"].update(torch="2.1.0", machine="aarch64" if raw["toolchain"]["machine"] != "aarch64" else "x86_64",
+                            cpu_isa=["no_such_isa_extension"])
+    (out / "manifest.json").write_text(json.dumps(raw))
+    assert open_bundle(out).manifest.target == "neuron"
+    with pytest.raises(BundleError, match="compiled with torch 2.1.0"):  # the same record on cpu is refused
+        bundle_mod.check_toolchain(raw["toolchain"], target="cpu")
+
+
+def test_neuron_integration_modules_have_no_unused_names():
+    """pyflakes over the modules of the neuron integration (unused imports, undefined names)."""
+    api = pytest.importorskip("pyflakes.api", reason="pyflakes is not installed")
+    reporter = pytest.importorskip("pyflakes.reporter")
+    root = Path(backend_neuron.__file__).parent.parent
+    warnings, errors = io.StringIO(), io.StringIO()
+    for rel in ("compiler/compile.py", "compiler/backend_neuron.py", "runtime_min/bundle.py",
+                "kernels_nki/neuron_adapters.py"):
+        api.checkPath(str(root / rel), reporter.Reporter(warnings, errors))
+    assert warnings.getvalue() + errors.getvalue() == ""
 
 
 # ------------------------------------------------------------------------------------------ SDK-gated (Trainium)
