@@ -43,8 +43,8 @@ import torch
 
 from dsneuron import UserError
 
+#: stages that are selections (index lists, expert ids, candidate masks), compared as sets per row
 SELECTIONS = (".indexer.topk", ".attn.idx", ".gate.indices", ".indexer.candidates")
-#: golden stage tensors with a position axis to cut (everything else is compared whole)
 _COMPRESSED = 10**9  # marks compressed-part entries of an index list after taking out the offset
 
 

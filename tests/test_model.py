@@ -38,8 +38,6 @@ def _assert_stages_equal(cap_a: dict, cap_b: dict, pos_a: int, pos_b: int):
         b = cap_b[name]
         if name.startswith("final."):
             ta, tb = a, b
-        elif ".gate." in name:  # flattened [B*S, k]
-            ta, tb = a[pos_a], b[pos_b]
         else:
             ta, tb = a[:, pos_a], b[:, pos_b]
         if ta.dtype == torch.float32 and not name.startswith("final."):
