@@ -63,7 +63,6 @@ class CpuExecutable:
         check_archive(path)
         self.bucket = bucket
         self.weights = weights
-        self._specs = [(s.name, s.shape, s.torch_dtype) for s in bucket.inputs]
         try:
             self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         except RuntimeError as e:
@@ -72,10 +71,5 @@ class CpuExecutable:
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """inputs: tensors matching `bucket.inputs` exactly (shape, dtype); raises ValueError otherwise,
         since the compiled code indexes memory by the static shapes."""
-        if len(inputs) != len(self._specs):
-            raise ValueError(f"{self.bucket.file}: expected {len(self._specs)} inputs, got {len(inputs)}")
-        for t, (name, shape, dtype) in zip(inputs, self._specs):
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{self.bucket.file}: input {name} must be a contiguous {dtype} {list(shape)}, "
-                                 f"got {t.dtype} {list(t.shape)}")
+        self.bucket.check_inputs(inputs)
         return self._loader.boxed_run([*self.weights, *inputs])

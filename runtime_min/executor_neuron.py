@@ -110,18 +110,12 @@ class NeuronExecutable:
 
     def __init__(self, path: Path, bucket: Bucket, weights: list[torch.Tensor], header: NeffHeader):
         self.bucket, self.weights, self.header = bucket, weights, header
-        self._specs = [(s.name, s.shape, s.torch_dtype) for s in bucket.inputs]
         self._model = _load(Path(path).read_bytes(), bucket, weights)
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """inputs: contiguous tensors matching `bucket.inputs` (shape, dtype); ValueError otherwise,
         since the NEFF's buffers have static sizes."""
-        if len(inputs) != len(self._specs):
-            raise ValueError(f"{self.bucket.file}: expected {len(self._specs)} inputs, got {len(inputs)}")
-        for t, (name, shape, dtype) in zip(inputs, self._specs):
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{self.bucket.file}: input {name} must be a contiguous {dtype} {list(shape)}, "
-                                 f"got {t.dtype} {list(t.shape)}")
+        self.bucket.check_inputs(inputs)
         return list(torch.ops.neuron.forward_v2([*self.weights, *inputs], self._model))
 
 

@@ -166,6 +166,16 @@ class Bucket:
         """The length in the file name: seq_len for prefill, capacity for decode."""
         return self.seq_len if self.kind == "prefill" else self.capacity
 
+    def check_inputs(self, inputs: list[torch.Tensor]) -> None:
+        """Raise ValueError unless `inputs` match `self.inputs` exactly (count, shape, dtype,
+        contiguous): an executable indexes its buffers by the static shapes it was compiled for."""
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{self.file}: expected {len(self.inputs)} inputs, got {len(inputs)}")
+        for t, spec in zip(inputs, self.inputs):
+            if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype or not t.is_contiguous():
+                raise ValueError(f"{self.file}: input {spec.name} must be a contiguous {spec.torch_dtype} {list(spec.shape)}, "
+                                 f"got {t.dtype} {list(t.shape)}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len, "capacity": self.capacity,
                 "file": self.file, "weights": list(self.weights),
