@@ -102,6 +102,10 @@ def compare_cmd(
     from dsneuron.compiler.compare import compare_bundle, render
     from dsneuron.compiler.default_prompts import default_prompts, read_prompts
 
+    if json_out is not None and not json_out.parent.is_dir():
+        raise UserError(f"--json {json_out}: its folder {json_out.parent} does not exist")
+    if json_out is not None and json_out.is_dir():
+        raise UserError(f"--json {json_out}: is a folder; give a file path")
     chosen = read_prompts(prompts) if prompts is not None else default_prompts()
     reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False))
     render(reports, console)

@@ -287,11 +287,15 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
 
     Same (cfg, seed) -> byte-identical files. Written into a temporary sibling folder and renamed
     into place, one shard in memory at a time; an interrupted write leaves nothing at `out`.
-    Raises CheckpointError if `out` exists and not `force` (nothing is touched then).
+    Raises CheckpointError if `out` exists and not `force`, or exists and is not a checkpoint
+    folder (force replaces checkpoints only); nothing is touched then.
     """
     out = Path(out)
     if out.exists() and not force:
         raise CheckpointError(f"{out}: already exists; pass --force to replace it")
+    if (out.exists() or out.is_symlink()) and not (out.is_dir() and not out.is_symlink() and (out / INDEX_NAME).is_file()):
+        raise CheckpointError(f"{out}: exists and is not a checkpoint folder (no {INDEX_NAME}); refusing to replace it, "
+                              "even with --force")
     t0 = time.perf_counter()
     params = engram_params(cfg)
     spec = checkpoint_spec(cfg, tuple(params.num_embeddings))

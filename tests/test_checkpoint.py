@@ -108,6 +108,7 @@ def _find(folder: Path, name: str) -> Path:
 def test_same_seed_is_byte_identical_and_force_replaces(micro_checkpoint, micro_cfg, tmp_path):
     out = tmp_path / "again"
     out.mkdir()
+    (out / INDEX).write_text("{}")  # an old (here: broken) checkpoint folder
     (out / "marker").write_text("old")
     make_checkpoint(micro_cfg, out, seed=0, force=True)
     assert _sha(out) == _sha(micro_checkpoint)
@@ -386,3 +387,18 @@ def test_tiny_checkpoint_is_deterministic(tmp_path):
     assert _sha(a) == _sha(b)
     assert len(_shards(a)) >= 4
     load_checkpoint(a, cfg, _rows(cfg))
+
+
+def test_force_never_replaces_something_that_is_not_a_checkpoint(tmp_path, micro_cfg):
+    """--force replaces an old checkpoint, never an unrelated folder or file (data loss)."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "data.txt").write_text("important")
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        make_checkpoint(micro_cfg, victim, force=True)
+    assert (victim / "data.txt").read_text() == "important"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match="not a checkpoint folder"):
+        make_checkpoint(micro_cfg, afile, force=True)
+    assert afile.read_text() == "x"
