@@ -215,14 +215,8 @@ class Session:
              gen: torch.Generator, stream: Callable[[int, str], None] | None) -> list[list[int]]:
         tok_cfg = self.manifest.tokenizer
         n = len(ids)
-        tokens, valid = select.pad_prompts(ids, batch, seq_len, tok_cfg.pad_token_id)
-        history = None
-        engram = None
-        if self.hasher is not None:
-            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
-        exe = self._executable("prefill", batch, seq_len)
-        state = self._state_for(exe.bucket, {})
-        outs = exe.run(self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, state))
+        exe, args, history = self._prefill_call(ids, batch, seq_len)
+        outs = exe.run(args)
         state = self._collect(exe.bucket, outs)
         streams = [TextStream(lambda x: self.tokenizer.decode(x, skip_special_tokens=True)) for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
@@ -251,12 +245,8 @@ class Session:
                 if active[i]:
                     pos[i] = len(ids[i]) + len(generated[i]) - 1
                     feed[i, 0] = generated[i][-1]
-            capacity = select.pick_capacity(self._lengths("decode", batch), int(pos.max()) + 1)
-            if self.hasher is not None:
-                engram, history = self.hasher.hash(feed, history)
-            exe = self._executable("decode", batch, capacity)
-            state = self._state_for(exe.bucket, state)
-            outs = exe.run(self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, state))
+            exe, args, history = self._decode_call(feed, pos, history, state)
+            outs = exe.run(args)
             state = self._collect(exe.bucket, outs)
             next_ids = sample(outs[0], temperature, top_p, gen)
         for i in range(n):
@@ -280,12 +270,7 @@ class Session:
                             f"{self.max_capacity} tokens (compile.decode_context_lens)")
         batch = select.pick_batch(self.batch_sizes, 1)
         seq_len = select.pick_prefill(self._lengths("prefill", batch), n_prompt)
-        tokens, valid = select.pad_prompts([ids[:n_prompt]], batch, seq_len, self.manifest.tokenizer.pad_token_id)
-        engram = history = None
-        if self.hasher is not None:
-            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
-        exe = self._executable("prefill", batch, seq_len)
-        args = self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, self._state_for(exe.bucket, {}))
+        exe, args, history = self._prefill_call([ids[:n_prompt]], batch, seq_len)
         results, state = [], {}
         for p in range(n_prompt, len(ids) + 1):
             if p > n_prompt:
@@ -293,10 +278,7 @@ class Session:
                 feed[0, 0] = ids[p - 1]
                 pos = torch.zeros(batch, dtype=torch.int64)
                 pos[0] = p - 1
-                if self.hasher is not None:
-                    engram, history = self.hasher.hash(feed, history)
-                exe = self._executable("decode", batch, select.pick_capacity(self._lengths("decode", batch), p))
-                args = self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, self._state_for(exe.bucket, state))
+                exe, args, history = self._decode_call(feed, pos, history, state)
             t0 = time.perf_counter()
             outs = exe.run(args)
             seconds = time.perf_counter() - t0
@@ -305,6 +287,25 @@ class Session:
                       if spec.name.startswith(PROBE_PREFIX)}
             results.append(StepResult(outs[0][0], probes, seconds))
         return results
+
+    def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
+        """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch, seq_len)."""
+        tokens, valid = select.pad_prompts(ids, batch, seq_len, self.manifest.tokenizer.pad_token_id)
+        engram = history = None
+        if self.hasher is not None:
+            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
+        exe = self._executable("prefill", batch, seq_len)
+        return exe, self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, self._state_for(exe.bucket, {})), history
+
+    def _decode_call(self, feed: torch.Tensor, pos: torch.Tensor, history, state: dict[str, torch.Tensor]):
+        """(executable, its inputs, engram history') of one decode step of feed [B,1] at positions
+        pos [B], at the smallest capacity holding every position, with the state carried over."""
+        batch = feed.size(0)
+        engram = None
+        if self.hasher is not None:
+            engram, history = self.hasher.hash(feed, history)
+        exe = self._executable("decode", batch, select.pick_capacity(self._lengths("decode", batch), int(pos.max()) + 1))
+        return exe, self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, self._state_for(exe.bucket, state)), history
 
     def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""
