@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .export import quiet_treespec_warning
+
 BACKEND = "aot_inductor"
 DEFAULT_FLAGS: dict[str, Any] = {
     "aot_inductor.compile_wrapper_opt_level": "O0",
@@ -58,5 +60,6 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
     """
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
+        with quiet_treespec_warning():
+            torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
         os.replace(built, out)

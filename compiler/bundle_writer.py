@@ -1,12 +1,15 @@
 """Atomic bundle writing: build the whole bundle in a temporary sibling folder, then rename it into place.
 
 - The output folder must not exist, unless `force`; with `force` the old bundle stays in place,
-  untouched, until the new one is complete, and is then swapped out (SIGINT is held back during the
-  two renames, so Ctrl-C cannot separate them).
+  untouched, until the new one is complete, and is then swapped out (SIGINT and SIGTERM are held
+  back during the two renames, so neither Ctrl-C nor the CLI's SIGTERM handler can separate them).
+- The nearest existing folder above the output must be a writable folder (the temporary folder is
+  made beside the output); this and the rules above are checked before any work.
 - A folder that holds only placeholder files (`README.md`, `.gitignore`, `.gitkeep`; the repository
   tracks `artifacts/README.md`) counts as empty; those files are carried into the new bundle, unlisted.
   A non-empty folder that is not a bundle (no manifest.json) is never replaced, even with `force`.
-- An exception or KeyboardInterrupt before `commit` removes the temporary folder; temporary folders of
+- An exception, KeyboardInterrupt or SystemExit (the CLI turns SIGTERM into one) before `commit`
+  removes the temporary folder; temporary folders of
   processes that died (SIGKILL) are removed by the next writer of the same output.
 - manifest.json is written last, with the sha256 and size of every other file; runtime_min refuses
   any folder without it.
@@ -33,12 +36,25 @@ from .cache import file_sha256
 PLACEHOLDERS = frozenset({"README.md", ".gitignore", ".gitkeep"})
 
 
-class OutputExistsError(UserError):
+class OutputError(UserError):
+    """The output folder cannot be written: its parent is not a folder or not writable."""
+
+
+class OutputExistsError(OutputError):
     """The output folder exists (and --force was not given, or it is not a bundle)."""
 
 
 def check_output(out: Path, force: bool) -> None:
-    """Raise OutputExistsError unless `out` may be written (module docstring). Called before any work."""
+    """Raise OutputError unless `out` may be written (module docstring): OutputExistsError for an
+    existing output, OutputError when the nearest existing folder above it is not a writable
+    folder. Called before any work."""
+    above = Path(out).absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"output {out}: {above} is not a folder; choose another --out")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise OutputError(f"output {out}: no permission to write in {above}; choose another --out")
     if not out.exists():
         return
     if not out.is_dir():
@@ -116,10 +132,10 @@ class BundleWriter:
 
 
 def _swap(new: Path, out: Path, old: Path) -> None:
-    """Move `out` (if any) to `old` and `new` to `out`, with SIGINT held back in between."""
+    """Move `out` (if any) to `old` and `new` to `out`, with SIGINT and SIGTERM held back in between."""
     blocked = hasattr(signal, "pthread_sigmask")
     if blocked:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         had_old = out.exists()
         if had_old:
@@ -132,7 +148,7 @@ def _swap(new: Path, out: Path, old: Path) -> None:
             raise
     finally:
         if blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _remove_dead_leftovers(out: Path) -> None:

@@ -1,9 +1,21 @@
-"""The `dsneuron` command line (typer). Every command is a thin wrapper over a Python API; user
-errors (`dsneuron.UserError`) print one line naming the problem and exit with code 2."""
+"""The `dsneuron` command line (typer). Every command is a thin wrapper over a Python API.
+
+Exit codes and messages: user errors (`dsneuron.UserError`) print one line naming the problem and
+exit with code 2; Ctrl-C prints "interrupted" and exits with 130; SIGTERM raises `Terminated`
+inside the running command, so it unwinds through the same cleanup as an exception (a compile or
+make-checkpoint leaves no temporary folder), then prints "terminated" and exits with 143 (128 + 15).
+
+Output: on a terminal rich wraps at the terminal width; when stdout/stderr is a pipe or a file (and
+$COLUMNS is unset) the consoles are PIPE_WIDTH columns wide and do not soft-wrap, so tables and
+long messages are not broken mid-line at rich's default of 80 columns.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -12,10 +24,27 @@ from rich.console import Console
 
 from dsneuron import UserError
 
+#: console width when the output is not a terminal (see the module docstring)
+PIPE_WIDTH = 512
+
+
+class Terminated(SystemExit):
+    """Raised by the SIGTERM handler inside a running command; a SystemExit, so `except Exception`
+    blocks do not swallow it while `finally` and `except BaseException` cleanups run."""
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr): rich's defaults on a terminal or with $COLUMNS set,
+    else PIPE_WIDTH columns without soft wrapping (module docstring)."""
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, width=PIPE_WIDTH if piped else None, soft_wrap=piped)
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ahead-of-time compiler and minimal runtime for DeepSeek-V4.x models (cpu and neuron targets).")
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 
 @app.command("make-checkpoint")
@@ -55,11 +84,16 @@ def compile_cmd(
 ) -> None:
     """Compile every bucket of a config into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
+    from dsneuron.compiler.buckets import plan_buckets
+    from dsneuron.compiler.bundle_writer import check_output
     from dsneuron.compiler.config import load_config
     from dsneuron.runtime_min.bundle import check_target
 
     check_target(target)  # fail fast, before reading anything
     model_cfg, compile_cfg, _ = load_config(config)
+    # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
+    plan_buckets(compile_cfg, model_cfg)
+    check_output(out, force)
     parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
                             console=console)
@@ -70,9 +104,11 @@ def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
     prompt: str = typer.Option(..., "--prompt", help="prompt text"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most (stops earlier at EOS)"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    temperature: float = typer.Option(0.0, "--temperature",
+                                      help="0 = greedy; any other finite value > 0 samples from softmax((logits - max) / T) "
+                                           "in float64, so a tiny T tends to greedy and a huge one to uniform"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.session import Session
@@ -118,13 +154,10 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> Non
     """Print a bundle's target, versions, buckets and file sizes, then verify it (exit 2 on a problem)."""
     from rich.table import Table
 
-    from dsneuron.runtime_min.bundle import open_bundle
-    from dsneuron.runtime_min.schema import MANIFEST, BundleError, Manifest
+    from dsneuron.runtime_min.bundle import open_bundle, read_manifest
 
-    root = Path(bundle)
-    if not (root / MANIFEST).is_file():
-        raise BundleError(f"{root} is not a bundle: {MANIFEST} is missing")
-    m = Manifest.from_json((root / MANIFEST).read_text())
+    root = Path(bundle).absolute()
+    m = read_manifest(root)
     tc = m.toolchain
     console.print(f"[bold]{root}[/]  schema {m.schema_version}, target [bold]{m.target}[/], {m.created_by}")
     console.print(f"toolchain: python {tc.get('python')}, torch {tc.get('torch')}, {tc.get('machine')}, "
@@ -145,31 +178,52 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> Non
     console.print("verified: schema, target, toolchain and every checksum OK")
 
 
+def _on_sigterm(signum: int, frame) -> None:
+    raise Terminated(128 + signum)
+
+
 def main() -> None:
-    """Console-script entry point: run the typer app, mapping UserError to exit code 2."""
+    """Console-script entry point: run the typer app with SIGTERM turned into `Terminated`, mapping
+    UserError to exit code 2, Ctrl-C to 130 and SIGTERM to 143 (module docstring)."""
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     try:
         rc = app(standalone_mode=False)
-        # with standalone_mode=False typer returns (not raises) the exit code, e.g. 130 on Ctrl-C
+        # with standalone_mode=False typer returns (not raises) the exit code; it turns a
+        # KeyboardInterrupt inside a command into 130
+        if rc == 130:
+            _interrupted()
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except UserError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except Terminated as e:
+        err_console.print("[bold red]terminated[/]")
+        sys.exit(e.code)
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]")
-        sys.exit(130)
+        _interrupted()
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except Exception as e:
         # usage errors of the click bundled with typer (missing option, bad value, unknown command)
         # carry their own message and exit code; typer vendors click, so duck-type rather than import
         if type(e).__name__ == "Abort":
-            sys.exit(130)
+            _interrupted()
         show, code = getattr(e, "show", None), getattr(e, "exit_code", None)
         if callable(show) and isinstance(code, int):
             show()
             sys.exit(2 if code else 0)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted() -> None:
+    err_console.print("[bold red]interrupted[/]")
+    sys.exit(130)
+
 
 if __name__ == "__main__":
     main()

@@ -20,10 +20,11 @@ indexer scores and selections, MoE routing and output, engram, the hidden stream
 logits) against the golden's tensor at the same name and step, next to the floor's, as max error
 in bf16 ulps of the golden value, the share of elements more than 2 ulps off (isolated FP8 rounding
 flips show up here) and the max relative error. Selections (top-k lists, expert indices, candidate
-blocks) are compared as sets per row. Then the local error of the stages that are pure functions of
-their captured input: the golden's stage re-run on the BUNDLE's recorded input (the compiled
-executable cannot be entered mid-graph, the golden can), compared with the bundle's output: the
-hyper-connection mixes, the MoE, and the head. The re-run uses the bundle's declared GEMM order
+blocks) are compared as sets per row. Then the local error of every stage the golden can re-run:
+the golden's stage on the BUNDLE's recorded input (the compiled executable cannot be entered
+mid-graph, the golden can), compared with the bundle's output: the hyper-connection mixes, the
+attention of every layer (at a decode step on the state the bundle's step was given), the MoE, and
+the head. The re-run uses the bundle's declared GEMM order
 ("fused"), so a local error is what the compiler did beyond that named deviation. A local error of
 0-2 ulps with accumulated error growing along the layers is amplification, not a wrong stage; a
 stage that re-quantises inside (MoE: the SwiGLU output to FP8 before w2) can turn one bf16 step of
@@ -127,25 +128,37 @@ def stage_metrics(name: str, got: torch.Tensor, ref: torch.Tensor, offsets: tupl
 
 
 # ----------------------------------------------------------------------------------------- local re-runs
-def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The golden's pure stages re-run on the bundle's recorded inputs (one step, batch row 0):
+def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int | None = None,
+                 decode_pos: int | None = None, state: dict[str, torch.Tensor] | None = None
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The golden's stages re-run on the bundle's recorded inputs (one step, batch row 0):
     {stage: (bundle output, golden output on the bundle's input)}. model: graphs.model.Transformer.
-    prefill_len: the prompt length at the prefill step (None at decode steps). At prefill the state
-    starts empty, so attention is re-run too, on the layers that need nothing from earlier layers
-    (window-only layers, and compressing layers that make their own compressed KV and top-k); at
-    decode it would need the bundle's state, which is not probed."""
+
+    Give prefill_len (the prompt length) at the prefill step, or decode_pos (the token's position)
+    and state (the state tensors the bundle's decode step was given, batch 1, `StepResult.state_in`)
+    at a decode step. Attention is re-run layer by layer in order on each layer's recorded input, so
+    a layer that reads another layer's compressed KV, indexer keys, top-k or candidate blocks gets
+    them from the golden re-run of that source layer on the bundle's input. The mixes, the MoE and
+    the head are pure functions of their recorded inputs."""
     from dsneuron.graphs.model import hc_post
     from dsneuron.graphs.steps import init_state
 
+    if (prefill_len is None) == (decode_pos is None) or (decode_pos is not None and state is None):
+        raise ValueError("local_reruns: give prefill_len, or decode_pos with state")
+    if prefill_len is not None:
+        L = prefill_len
+        ctx = model.inputs(L, torch.arange(L).unsqueeze(0), torch.tensor([L]), None, None)
+        state = init_state(model.cfg, 1, model.max_seq_len)
+    else:
+        L = 1
+        pos = torch.tensor([decode_pos])
+        ctx = model.inputs(1, pos.unsqueeze(1), None, pos, None)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    shared: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
-        attn = layer.attn
-        alone = attn.ratio == 0 or (attn.is_kv_source and attn.is_index_source and not attn.indexer.uses_candidates)
-        if prefill_len is not None and alone and f"{p}.attn.in" in probes:
-            L = prefill_len
-            ctx = model.inputs(L, torch.arange(L).unsqueeze(0), torch.tensor([L]), None, None)
-            o = attn(probes[f"{p}.attn.in"][:L].unsqueeze(0), ctx, init_state(model.cfg, 1, model.max_seq_len), {}, {})
+        if f"{p}.attn.in" in probes:
+            o = layer.attn(probes[f"{p}.attn.in"][:L].unsqueeze(0), ctx, state, {}, shared)
             out[f"{p}.attn.out"] = (probes[f"{p}.attn.out"][:L], o[0])
         x_in = probes.get(f"{p}.engram.out", probes.get(f"layers.{i - 1}.out"))
         if x_in is not None and f"{p}.hc_attn.comb" in probes:
@@ -253,7 +266,8 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
             rep.stages.setdefault(stage, []).append(entry)
         # the golden stage in the bundle's declared numerics: its GEMMs summed as one fp32 GEMM
         with torch.inference_mode(), gemm_order("fused"):
-            for stage, (b_out, g_out) in local_reruns(golden.model, g.probes, n_prompt if prefill else None).items():
+            at = {"prefill_len": n_prompt} if prefill else {"decode_pos": n_prompt + step - 1, "state": g.state_in}
+            for stage, (b_out, g_out) in local_reruns(golden.model, g.probes, **at).items():
                 rep.stages[stage][-1]["local"] = tensor_metrics(b_out, g_out)
     return rep
 

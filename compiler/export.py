@@ -11,6 +11,7 @@ are not weights (e.g. RoPE tables) stay graph constants and are embedded in the 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,6 +116,20 @@ def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str) -
     return order, [paths[n] for n in order]
 
 
+#: torch 2.13's pytree deprecation that fires from copy/copyreg whenever an exported graph's treespecs
+#: are deep-copied (aoti_compile_and_package does, once per bucket); it concerns torch's own code
+TREESPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
+@contextlib.contextmanager
+def quiet_treespec_warning():
+    """Hide exactly TREESPEC_WARNING (a FutureWarning) inside the block; every other warning,
+    and this one outside the block, still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=TREESPEC_WARNING, category=FutureWarning)
+        yield
+
+
 def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
                 input_views: dict[torch.dtype, torch.dtype] | None = None,
                 mode: TorchFunctionMode | None = None) -> ExportedStep:
@@ -134,7 +149,7 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
     args = tuple(weights[n].view(input_views[d]) if d in input_views else weights[n] for n, d in zip(names, originals))
     args += tuple(t for _, t in graph.inputs)
-    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()):
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning():
         program = torch.export.export(wrapper, args, strict=False)
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]

@@ -52,6 +52,7 @@ of these constants is the job of `model_health_stats`, the hook `inspect-checkpo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -102,13 +103,17 @@ TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.f
 _ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 # the derived config keys the release writes next to the ModelArgs ones
 _DERIVED = ("engram_num_embeddings", "engram_compressed_vocab_size")
+#: tensor problems listed in a CheckpointError message (the counts cover all of them): a checkpoint
+#: of another config has one problem per tensor, over 1500 for tiny, which would bury the cause
+PROBLEMS_SHOWN = 10
 
 
 class CheckpointError(UserError):
     """A checkpoint folder is missing, incomplete, inconsistent or corrupt, or `out` exists.
 
-    The message names the path and, for tensor problems, every missing, unexpected and mismatched
-    tensor with its expected and found dtype and shape.
+    The message names the path and, for tensor problems, how many are missing, unexpected,
+    mismatched (with expected and found dtype and shape), in missing or corrupt shards, or not
+    indexed, listing the first PROBLEMS_SHOWN of them and "... and N more".
     """
 
 
@@ -250,18 +255,32 @@ _HF_KEYS = (
 )
 
 
+#: (HF key inside config.json's rope_scaling / quantization_config, ModelArgs key)
+_HF_ROPE_KEYS = (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
+                 ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"))
+_HF_QUANT_KEYS = (("quant_method", "dtype"), ("scale_fmt", "scale_fmt"), ("expert_dtype", "expert_dtype"))
+#: the config.json spelling of every ModelArgs key it carries, for messages
+_HF_NAME = {**{key: hf_key for hf_key, key in _HF_KEYS},
+            **{key: f"rope_scaling.{hf_key}" for hf_key, key in _HF_ROPE_KEYS},
+            **{key: f"quantization_config.{hf_key}" for hf_key, key in _HF_QUANT_KEYS},
+            "fp8_block_size": "quantization_config.weight_block_size"}
+
+
 def _model_args_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """The ModelArgs-keyed dict a config.json describes (keys it lacks are left out)."""
+    """The ModelArgs-keyed dict a config.json describes (keys it lacks are left out); the keys are
+    read from its `text_config` object when it has one (the release's multimodal layout), else
+    from the top level (the flat text-only layout `hf_config` writes)."""
+    if isinstance(hf.get("text_config"), dict):
+        hf = hf["text_config"]
     args = {key: hf[hf_key] for hf_key, key in _HF_KEYS if hf_key in hf}
     rope = hf.get("rope_scaling")
     if isinstance(rope, dict):
-        for hf_key, key in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
-                            ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+        for hf_key, key in _HF_ROPE_KEYS:
             if hf_key in rope:
                 args[key] = rope[hf_key]
     q = hf.get("quantization_config")
     if isinstance(q, dict):
-        for hf_key, key in (("quant_method", "dtype"), ("scale_fmt", "scale_fmt"), ("expert_dtype", "expert_dtype")):
+        for hf_key, key in _HF_QUANT_KEYS:
             if hf_key in q:
                 args[key] = q[hf_key]
         wbs = q.get("weight_block_size")
@@ -364,16 +383,26 @@ def _replace(tmp: Path, out: Path) -> None:
 def read_checkpoint_config(path: Path) -> ModelConfig:
     """The ModelConfig of a checkpoint folder.
 
-    Built from inference/config.json (ModelArgs keys) when present, else from config.json (HF keys);
-    when both exist every key they share must agree. The derived engram_num_embeddings must equal
-    the prime-search layout of the config. Raises CheckpointError naming the file and key(s) (all
-    disagreements at once), ConfigError for an invalid config.
+    inference/config.json (ModelArgs keys, the file the official inference code reads) is
+    authoritative: the config is built from it when present, else from config.json (HF keys).
+    config.json, when present, must still be a whole HF description of the same model, because HF
+    tooling reads it: every required ModelArgs key present under its HF name and, when both files
+    exist, every key they share equal. A config.json that is garbage (not JSON, not an object, or
+    lacking the model's keys) is refused, never silently outvoted. The derived
+    engram_num_embeddings must equal the prime-search layout of the config. Raises CheckpointError
+    naming the file and key(s) (all missing keys or disagreements at once), ConfigError for an
+    invalid config.
     """
     path = Path(path)
     hf_path, inf_path = path / HF_CONFIG_NAME, path / INFERENCE_CONFIG_NAME
     if not hf_path.is_file() and not inf_path.is_file():
         raise CheckpointError(f"{path}: neither {HF_CONFIG_NAME} nor {INFERENCE_CONFIG_NAME} exists")
     hf = _model_args_from_hf(_read_json(hf_path), str(hf_path)) if hf_path.is_file() else None
+    if hf is not None:
+        required = [f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING]
+        lacking = [_HF_NAME[k] for k in required if k not in hf]
+        if lacking:
+            raise CheckpointError(f"{hf_path}: not a complete HF config of the model: missing {', '.join(lacking)}")
     inf = _read_json(inf_path) if inf_path.is_file() else None
     if hf is not None and inf is not None:
         hf_name = {key: hf_key for hf_key, key in _HF_KEYS}
@@ -422,30 +451,39 @@ def _read_index(path: Path) -> dict[str, str]:
     return wm
 
 
-def _scan(path: Path, weight_map: dict[str, str]) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], list[str]]:
-    """Headers of every indexed shard: ({name: (shard, dtype, shape)}, problems with the shards)."""
+def _scan(path: Path, weight_map: dict[str, str]
+          ) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], list[str], set[str]]:
+    """Headers of every indexed shard: ({name: (shard, dtype, shape)}, problems with the shards,
+    the shards that are missing or unreadable). A shard's header is read whole before any of its
+    tensors count as found, so a corrupt shard contributes none."""
     found: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     problems: list[str] = []
+    unreadable: set[str] = set()
     for shard in sorted(set(weight_map.values())):
         f = path / shard
         listed = sorted(n for n, s in weight_map.items() if s == shard)
         if Path(shard).name != shard or not f.is_file():
             problems.append(f"{shard}: shard file missing ({len(listed)} tensors listed in the index)")
+            unreadable.add(shard)
             continue
+        header: dict[str, tuple[str, tuple[int, ...]]] = {}
         try:
             with safetensors.safe_open(str(f), "pt") as h:
                 for name in h.keys():
                     sl = h.get_slice(name)
-                    if name in found:
-                        problems.append(f"{name}: stored twice ({found[name][0]} and {shard})")
-                    found[name] = (shard, sl.get_dtype(), tuple(sl.get_shape()))
+                    header[name] = (sl.get_dtype(), tuple(sl.get_shape()))
         except Exception as e:  # safetensors raises its own SafetensorError and OSError variants
-            problems.append(f"{shard}: corrupt safetensors file ({e})")
+            problems.append(f"{shard}: corrupt safetensors file, {len(listed)} tensors listed in the index unreadable ({e})")
+            unreadable.add(shard)
             continue
+        for name, (dtype, shape) in header.items():
+            if name in found:
+                problems.append(f"{name}: stored twice ({found[name][0]} and {shard})")
+            found[name] = (shard, dtype, shape)
         for name in listed:
             if name in found and found[name][0] != shard:
                 problems.append(f"{name}: index says {shard}, stored in {found[name][0]}")
-    return found, problems
+    return found, problems, unreadable
 
 
 def _fmt(dtype: str, shape: tuple[int, ...]) -> str:
@@ -455,15 +493,17 @@ def _fmt(dtype: str, shape: tuple[int, ...]) -> str:
 def validate_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> dict[str, str]:
     """Check every tensor header against checkpoint_spec without reading tensor data.
 
-    Returns {tensor name: shard file}. Raises CheckpointError listing, in one message, every
+    Returns {tensor name: shard file}. Raises CheckpointError counting, in one message, every
     missing, unexpected and mismatched tensor (expected vs found dtype and shape), every missing or
-    corrupt shard and index inconsistency.
+    corrupt shard (named once; the tensors the index puts in it are not reported missing one by
+    one) and index inconsistency, listing the first PROBLEMS_SHOWN (`_problem_report`).
     """
     path = Path(path)
     spec = checkpoint_spec(cfg, tuple(engram_num_embeddings))
     weight_map = _read_index(path)
-    found, shard_problems = _scan(path, weight_map)
-    missing = [f"{n}: expected {_fmt(s.dtype, s.shape)}" for n, s in spec.items() if n not in found]
+    found, shard_problems, unreadable = _scan(path, weight_map)
+    missing = [f"{n}: expected {_fmt(s.dtype, s.shape)}" for n, s in spec.items()
+               if n not in found and weight_map.get(n) not in unreadable]
     unexpected = [f"{n}: found {_fmt(d, sh)} in {sh_file}" for n, (sh_file, d, sh) in found.items() if n not in spec]
     mismatched = [f"{n}: expected {_fmt(spec[n].dtype, spec[n].shape)}, found {_fmt(d, sh)} in {f}"
                   for n, (f, d, sh) in found.items() if n in spec and (d, sh) != (spec[n].dtype, spec[n].shape)]
@@ -471,15 +511,27 @@ def validate_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tup
                    for n, (f, _, _) in found.items() if n in spec and n not in weight_map]
     groups = [("shards", shard_problems), ("missing", missing), ("unexpected", unexpected),
               ("mismatched", mismatched), ("index", not_indexed)]
-    n_bad = sum(len(g) for _, g in groups)
-    if n_bad:
-        lines = [f"{path}: {n_bad} checkpoint problem(s)"]
-        for title, items in groups:
-            if items:
-                lines.append(f"  {title} ({len(items)}):")
-                lines.extend(f"    {item}" for item in items)
-        raise CheckpointError("\n".join(lines))
+    if any(items for _, items in groups):
+        raise CheckpointError(_problem_report(path, groups))
     return {n: found[n][0] for n in spec}
+
+
+def _problem_report(path: Path, groups: list[tuple[str, list[str]]], shown: int = PROBLEMS_SHOWN) -> str:
+    """The CheckpointError message: the total, then per non-empty group its count and items, at
+    most `shown` items over all groups but at least one per group, each cut group ending with
+    "... and N more"."""
+    lines = [f"{path}: {sum(len(items) for _, items in groups)} checkpoint problem(s)"]
+    budget = shown
+    for title, items in groups:
+        if not items:
+            continue
+        take = max(1, min(budget, len(items)))
+        budget -= take
+        lines.append(f"  {title} ({len(items)}):")
+        lines.extend(f"    {item}" for item in items[:take])
+        if len(items) > take:
+            lines.append(f"    ... and {len(items) - take} more")
+    return "\n".join(lines)
 
 
 def load_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,12 @@ from typing import Any
 
 from dsneuron import UserError
 
+#: largest vocab_size: every token id 0..V-1 must fit a signed int32, because index tensors on the
+#: Neuron target may be narrowed to int32 (torch-xla's XLA_USE_32BIT_LONG), where a larger id would
+#: wrap around silently in the embedding gather; the host's int64 tensors and the tokenizers
+#: library's u32 ids are wider. Real vocabularies are far below it (V4.1: 129,280).
+MAX_VOCAB_SIZE = 2**31
+
 
 class ConfigError(UserError, ValueError):
     """A config key is unknown, missing, of the wrong type or inconsistent with another key.
@@ -168,6 +174,8 @@ class ModelConfig:
                     "window_size", "index_n_heads", "index_head_dim", "index_topk", "hc_mult",
                     "hc_sinkhorn_iters", "fp8_block_size", "fp4_block_size"):
             need(getattr(self, key) > 0, key, "must be a positive integer")
+        need(self.vocab_size <= MAX_VOCAB_SIZE, "vocab_size",
+             f"must be <= {MAX_VOCAB_SIZE} = 2**31, so that every token id fits int32 (Neuron gather indices)")
         need(self.n_mtp_layers >= 0, "n_mtp_layers", "must be >= 0")
         need(self.score_func in ("softmax", "sigmoid", "sqrtsoftplus"), "score_func",
              "must be one of softmax, sigmoid, sqrtsoftplus")

@@ -26,6 +26,13 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
 - RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
 - GEMMs with fewer than 8 rows are zero-padded to 8 (`quant.pad_rows`): the CPU BLAS sums fp32
   products in another order below 8 rows, which would make a decode step differ from a prefill.
+- BF16_GEMM: the reference's bf16 GEMMs (wo_a's grouped einsum, the indexer's weights_proj and
+  wk) run on bf16 operands with fp32 accumulation and one bf16 rounding of the result. Here that is
+  written out: the operands are upcast (exact), the GEMM is fp32, the result is cast once. Eager
+  bf16 on CPU computes nearly the same (its fp32 sums may be ordered differently), but a compiler
+  may not: Inductor turned the 1-row decode einsum into a kernel that rounds inside the sum (40%
+  of wo_a's outputs one bf16 step or more off). The indexer's score GEMM keeps the official bf16
+  expression (kernels_nki/mqa_logits_ref.py); its operands are FP4-QDQ'd, so its fp32 sums are exact.
 - No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
 
 Shapes: B batch, S tokens in this call, D dim, H heads, hd head_dim, rd rope_head_dim, W window,
@@ -119,7 +126,8 @@ class Linear(nn.Module):
     kind "fp8": weight float8_e4m3fn [out, in] + scale float8_e8m0fnu [ceil(out/32), ceil(in/32)];
     kind "fp4": weight int8 [out, in/2] (two e2m1 codes, even element low) + scale e8m0 [out, in/32];
     both run as act_quant(x, 1x32) + block-scaled GEMM -> bf16 (model.py `linear`).
-    kind "bf16"/"fp32": plain F.linear in that dtype (input cast to it).
+    kind "bf16": F.linear of bf16 operands accumulated in fp32, one bf16 rounding (see BF16_GEMM);
+    kind "fp32": plain fp32 F.linear (input cast to fp32).
     """
 
     def __init__(self, in_features: int, out_features: int, kind: str = "fp8", block: int = 32):
@@ -150,7 +158,10 @@ class Linear(nn.Module):
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
             return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
-        return rows_stable_linear(x.to(self.weight.dtype), self.weight)
+        if self.kind == "bf16":
+            # BF16_GEMM: exact fp32 products, fp32 sum, one bf16 rounding
+            return rows_stable_linear(x.to(torch.bfloat16).float(), self.weight.float()).to(torch.bfloat16)
+        return rows_stable_linear(x.float(), self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -560,7 +571,7 @@ class Attention(nn.Module):
         # wo_a is block-diagonal over groups, hence the grouped einsum (model.py Attention.forward)
         o = o.view(B, S, cfg.o_groups, -1)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        o = torch.einsum("bsgd,grd->bsgr", o.float(), wo_a.float()).to(torch.bfloat16)  # BF16_GEMM
         return self.wo_b(o.flatten(2))
 
 

@@ -1,8 +1,10 @@
 """Open a bundle: verify everything before anything runs, then hand out weights and executables.
 
 `open_bundle` checks, in this order, and raises BundleError naming the first problem:
-1. the folder and its manifest.json exist; the manifest's format and schema version are known
-   (checked before any other field is read), and it parses;
+1. the folder and its manifest.json exist; the manifest is UTF-8 JSON, its format and schema
+   version are known (checked before any other field is read), every field parses, the bucket set
+   is one a session can run, and its seal matches its content (schema.py: a hand-edited manifest is
+   refused);
 2. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports);
 3. the toolchain is compatible (below);
 4. every file the manifest lists exists with the recorded size and sha256, and every file the bundle
@@ -174,15 +176,32 @@ class Bundle:
         return self.root / files[0]
 
 
+def read_manifest(root: Path) -> Manifest:
+    """The parsed and validated manifest of the bundle folder `root` (`Manifest.from_json`), without
+    checking target, toolchain or files. Raises BundleError naming `root` when it is not a folder
+    or has no manifest.json, and naming the manifest when it cannot be read or is not UTF-8 text;
+    `dsneuron run` and `dsneuron inspect` both come through here, so they word these alike."""
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise BundleError(f"bundle folder {root} {what}")
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise BundleError(f"{root} is not a dsneuron bundle: it has no {MANIFEST} (an interrupted compile leaves none)")
+    try:
+        data = mpath.read_bytes()
+    except OSError as e:
+        raise BundleError(f"{mpath}: cannot be read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{MANIFEST}: not UTF-8 text (invalid byte 0x{data[e.start]:02x} at offset {e.start})") from None
+    return Manifest.from_json(text)
+
+
 def open_bundle(path: str | Path) -> Bundle:
     """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem."""
     root = Path(path).absolute()
-    if not root.is_dir():
-        raise BundleError(f"bundle folder {root} does not exist")
-    mpath = root / MANIFEST
-    if not mpath.is_file():
-        raise BundleError(f"{root} is not a bundle: {MANIFEST} is missing (an interrupted compile leaves none)")
-    manifest = Manifest.from_json(mpath.read_text())
+    manifest = read_manifest(root)
     if manifest.target not in TARGETS:
         raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
     check_target(manifest.target, "run")

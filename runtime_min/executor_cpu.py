@@ -13,6 +13,7 @@ time; the ops of the `dsneuron` namespace are registered by importing `dsneuron.
 from __future__ import annotations
 
 import importlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -41,6 +42,17 @@ def check_archive(path: Path) -> None:
         raise BundleError(f"{path.name}: unexpected archive member {name!r} (only AOTInductor models are loaded)")
 
 
+def _argument_count(in_spec: str) -> int | None:
+    """Positional arguments of an AOTInductor model from its serialised input pytree spec
+    (`[version, {"type": "builtins.tuple", "children_spec": [args tuple, kwargs dict]}]`); None when
+    the spec has another form, since it is torch's internal format and only a cross-check here."""
+    try:
+        args = json.loads(in_spec)[1]["children_spec"][0]
+        return len(args["children_spec"]) if args["type"] == "builtins.tuple" else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def register_custom_ops(custom_ops: dict[str, str]) -> None:
     """Make every op lowered as "call" dispatchable; raises BundleError naming an op that is not."""
     for op, mode in custom_ops.items():
@@ -57,7 +69,9 @@ def register_custom_ops(custom_ops: dict[str, str]) -> None:
 
 class CpuExecutable:
     """One loaded bucket. `run(inputs)` takes the data+state inputs of `bucket.inputs` (the weights
-    are bound at construction) and returns the outputs of `bucket.outputs`."""
+    are bound at construction) and returns the outputs of `bucket.outputs`. Construction raises
+    BundleError when the archive holds more than a model (`check_archive`), the loader refuses it,
+    or the model takes another number of arguments than the manifest's weights + inputs."""
 
     def __init__(self, path: Path, bucket: Bucket, weights: list[torch.Tensor]):
         check_archive(path)
@@ -67,6 +81,10 @@ class CpuExecutable:
             self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         except RuntimeError as e:
             raise BundleError(f"{bucket.file}: the AOTInductor loader refused it ({e})") from None
+        takes = _argument_count(self._loader.get_call_spec()[0])
+        if takes is not None and takes != len(weights) + len(bucket.inputs):
+            raise BundleError(f"{bucket.file}: the executable takes {takes} arguments, the manifest gives it "
+                              f"{len(weights)} weights + {len(bucket.inputs)} inputs")
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """inputs: tensors matching `bucket.inputs` exactly (shape, dtype); raises ValueError otherwise,

@@ -1,35 +1,58 @@
 """Next-token sampling: greedy by default, temperature with nucleus (top-p) filtering otherwise.
 
 Randomness comes only from the `torch.Generator` passed in, so a seed reproduces a generation.
+
+Temperature rule: any finite T >= 0. T = 0 is greedy; any positive finite T is valid, however small
+or large, because the probabilities are computed in float64 as softmax((logits - max) / T): the
+numerator is <= 0, so the quotient is at worst -inf (probability 0) and never inf or NaN. A tiny T
+therefore tends to greedy (ties shared evenly) and a huge T to the uniform distribution.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from dsneuron import UserError
 
+#: seeds are taken by torch.Generator.manual_seed as an unsigned 64-bit integer
+SEED_LIMIT = 2**64
+
 
 def check_params(temperature: float, top_p: float) -> None:
-    """UserError naming the limit for temperature < 0 or top_p outside (0, 1]."""
-    if not temperature >= 0.0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    """UserError naming the limit for a temperature that is not a finite number >= 0, or a top_p
+    outside (0, 1]."""
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise UserError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_seed(seed: int | None) -> None:
+    """UserError unless `seed` is None (fresh entropy) or an integer in 0..2**64-1, the range of
+    torch.Generator.manual_seed (which would overflow above it and wrap negative seeds around)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise UserError(f"seed must be an integer in 0..{SEED_LIMIT - 1} (2**64 - 1), got {seed!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """logits fp32 [B, V] -> token ids int64 [B].
 
-    temperature 0: argmax (the lowest id among equal maxima). Otherwise p = softmax(logits / T) in
-    fp32; top-p keeps the smallest set of most probable tokens whose mass reaches top_p (at least
-    one; ties in probability ordered by id), renormalises, and draws one id per row from `generator`.
+    temperature 0: argmax (the lowest id among equal maxima). Otherwise p = softmax((logits - max)
+    / T) in float64 (module docstring: safe for every positive finite T); top-p keeps the smallest
+    set of most probable tokens whose mass reaches top_p (at least one; ties in probability ordered
+    by id), renormalises, and draws one id per row from `generator`. Raises UserError as
+    `check_params`.
     """
     check_params(temperature, top_p)
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    x = logits.double()
+    probs = torch.softmax((x - x.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         # stable sort so equal probabilities keep id order, making the kept set deterministic
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)

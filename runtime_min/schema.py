@@ -11,6 +11,21 @@ Evolution rules (ExecuTorch schema/README style): add fields at the end with a d
 re-purpose a field, never change a default's meaning. A change an old runtime would misread bumps
 `SCHEMA_VERSION`; the loader checks the version before reading any other field.
 
+Seal: manifest.json ends with `manifest_sha256`, the sha256 of the manifest's canonical content
+(`content_sha256`: every other field, as compact JSON with sorted keys), and the loader refuses a
+manifest whose content does not match it, naming the file as edited. Why a seal rather than a
+cross-check of the buckets against the executables: the AOTInductor package loader exposes no input
+or output shapes (only the argument count, which runtime_min/executor_cpu.py does cross-check, and
+platform metadata), the NEFF header runtime_min/neff.py reads holds none either, and most of what a
+hand edit breaks is not a shape at all: a decode bucket's `capacity` decides which positions the
+runtime hands that executable, and the state fills, weight names, engram hashing parameters and
+token ids must be the ones the code was compiled with and the weights were written for. None of
+these can be changed without recompiling, so any edit is refused up front instead of failing deep
+inside an executable (a C++ index error) or silently computing garbage.
+The seal guards against mistakes, not attacks: whoever can rewrite the manifest can recompute it
+(`content_sha256`), as they can the files' checksums. The field is appended at the end (an old
+runtime ignores it) and required by this loader; the schema version is unchanged.
+
 Calling convention of every bucket executable (both targets):
     inputs  = [weights named in `Bucket.weights`, in that order] + `Bucket.inputs` (data, then state)
     outputs = `Bucket.outputs` = [logits [B, V] float32] + new state, in the order of `Manifest.state`
@@ -25,6 +40,7 @@ with the tensor's `fill`. Every state tensor starts as `fill` everywhere (`State
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -41,6 +57,8 @@ WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUCKETS_DIR = "buckets"
 KINDS = ("prefill", "decode")
+#: the data inputs of each kind, in order, before the state inputs (module docstring)
+DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids")}
 # Executable file extension per target.
 EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
 # Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was
@@ -48,6 +66,9 @@ EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
 # calls the registered op through the dispatcher, so the op's module must be imported before loading.
 LOWERING_MODES = ("inline", "call")
 
+
+#: the manifest field holding `content_sha256` of the rest of the manifest (module docstring, Seal)
+SEAL = "manifest_sha256"
 
 #: outputs named "probe.<stage>" are stage tensors of a probe bundle (`dsneuron compile --probes`),
 #: returned for the golden comparison and never carried as state
@@ -260,6 +281,7 @@ class Manifest:
     weight_views: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
+        """The manifest.json text, sealed with `manifest_sha256` (module docstring)."""
         body = {
             "format": self.format, "schema_version": self.schema_version, "created_by": self.created_by,
             "target": self.target, "toolchain": self.toolchain, "compiler": self.compiler,
@@ -269,17 +291,21 @@ class Manifest:
             "state": [s.to_dict() for s in self.state], "buckets": [b.to_dict() for b in self.buckets],
             "files": self.files, "load_casts": self.load_casts, "weight_views": self.weight_views,
         }
+        body[SEAL] = content_sha256(body)
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        """Parse and validate; the schema version is checked before any other field.
+        """Parse and validate: the format and schema version first, then every field and the
+        consistency of the bucket set (`_check_buckets`), then the seal (module docstring).
 
-        Raises BundleError naming the first malformed field.
+        Raises BundleError naming the first malformed field, or the manifest as edited.
         """
         try:
-            raw = json.loads(text, parse_constant=_reject_constant)
-        except (json.JSONDecodeError, ValueError) as e:
+            raw = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        except RecursionError:
+            raise BundleError(f"{MANIFEST}: not valid JSON (nested too deeply)") from None
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
             raise BundleError(f"{MANIFEST}: not valid JSON ({e})") from None
         r = _obj(raw, "")
         if r.get("format") != FORMAT:
@@ -298,7 +324,7 @@ class Manifest:
         for op, mode in custom_ops.items():
             if mode not in LOWERING_MODES:
                 raise BundleError(f"manifest compiler.custom_ops[{op!r}]: {mode!r} is not one of {', '.join(LOWERING_MODES)}")
-        return cls(
+        manifest = cls(
             target=_get(r, "target", str, ""),
             toolchain=_get(r, "toolchain", dict, ""),
             compiler=compiler,
@@ -315,6 +341,110 @@ class Manifest:
             load_casts=_dtype_map(_get(r, "load_casts", dict, ""), "load_casts"),
             weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
         )
+        _check_buckets(manifest)
+        _check_seal(r)
+        return manifest
+
+
+def content_sha256(raw: dict[str, Any]) -> str:
+    """Hex sha256 of a manifest's JSON object without its seal field: compact separators, sorted
+    keys, ASCII escapes, so that indentation and key order do not matter. Raises BundleError for
+    content that is not strict JSON (NaN, infinity, non-string keys)."""
+    body = {k: v for k, v in raw.items() if k != SEAL}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise BundleError(f"{MANIFEST}: content is not strict JSON ({e})") from None
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _check_seal(r: dict[str, Any]) -> None:
+    seal = r.get(SEAL)
+    if seal is None:
+        raise BundleError(f"{MANIFEST}: has no {SEAL} seal (written by a dsneuron that did not seal manifests); "
+                          "recompile the bundle")
+    if seal != content_sha256(r):
+        raise BundleError(f"{MANIFEST}: was edited after `dsneuron compile` wrote it (its content does not match "
+                          f"its {SEAL}); bucket shapes, capacities and the other entries describe the compiled "
+                          "executables and cannot be changed by hand: recompile the bundle")
+
+
+def _check_buckets(m: "Manifest") -> None:
+    """The bucket set a session can run: at least one prefill and one decode bucket, a decode bucket
+    for every prefill batch size, no two buckets of one (kind, batch, length), decode seq_len 1, a
+    prefill state capacity that holds its seq_len, the data inputs of the module docstring first
+    (int64, shapes from batch and seq_len, one engram (E, C) for all) and then only state tensors,
+    logits [batch, V] first among the outputs, unique state names and token ids in 0..V-1.
+    Raises BundleError naming the first violation."""
+    if not m.buckets:
+        raise BundleError(f"{MANIFEST}: buckets is empty (a bundle needs at least one prefill and one decode bucket)")
+    for kind in KINDS:
+        if not any(b.kind == kind for b in m.buckets):
+            raise BundleError(f"{MANIFEST}: buckets has no {kind} bucket (a bundle needs at least one of each kind)")
+    seen: dict[tuple[str, int, int], int] = {}
+    vocab: set[int] = set()
+    engram: set[tuple[int, ...]] = set()
+    for i, b in enumerate(m.buckets):
+        where = f"{MANIFEST}: buckets[{i}]"
+        key = (b.kind, b.batch, b.length)
+        if key in seen:
+            raise BundleError(f"{where} ({b.kind} b{b.batch} s{b.length}) duplicates buckets[{seen[key]}]")
+        seen[key] = i
+        if b.kind == "decode" and b.seq_len != 1:
+            raise BundleError(f"{where}.seq_len: a decode bucket takes one token per call (got {b.seq_len})")
+        if b.kind == "prefill" and b.capacity < b.seq_len:
+            raise BundleError(f"{where}.capacity: {b.capacity} cannot hold the prefill's {b.seq_len} positions")
+        if not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
+            raise BundleError(f"{where}.outputs: the first output must be the logits [batch={b.batch}, V > 0]")
+        vocab.add(b.outputs[0].shape[1])
+        engram.add(_check_inputs(b, where, {s.name for s in m.state}))
+    decode_batches = {b.batch for b in m.buckets if b.kind == "decode"}
+    for b in m.buckets:
+        if b.kind == "prefill" and b.batch not in decode_batches:
+            raise BundleError(f"{MANIFEST}: buckets has a prefill bucket of batch {b.batch} but no decode bucket "
+                              "of that batch to continue it")
+    if len(vocab) != 1:
+        raise BundleError(f"{MANIFEST}: buckets disagree on the logits width V ({sorted(vocab)})")
+    if len(engram) != 1:
+        raise BundleError(f"{MANIFEST}: buckets disagree on the engram_ids columns (E, C): {sorted(engram)}")
+    names = [s.name for s in m.state]
+    if len(set(names)) != len(names):
+        raise BundleError(f"{MANIFEST}: state names a tensor twice")
+    V = vocab.pop()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(m.tokenizer, key)
+        if not 0 <= value < V:
+            raise BundleError(f"{MANIFEST}: tokenizer.{key} {value} is not a token id in 0..{V - 1}")
+
+
+def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
+    """Check one bucket's inputs (see `_check_buckets`); returns its engram (E, C)."""
+    names = DATA_INPUTS[b.kind]
+    got = [s.name for s in b.inputs[:len(names)]]
+    if got != list(names):
+        raise BundleError(f"{where}.inputs: a {b.kind} bucket takes {', '.join(names)} first (got {', '.join(got) or 'none'})")
+    tokens, lengths, engram = b.inputs[:3]
+    want = {tokens.name: (b.batch, b.seq_len), lengths.name: (b.batch,)}
+    for spec in (tokens, lengths, engram):
+        shape_ok = spec.shape == want[spec.name] if spec.name in want else \
+            (len(spec.shape) == 4 and spec.shape[:2] == (b.batch, b.seq_len))
+        if spec.dtype != "int64" or not shape_ok:
+            shape = list(want[spec.name]) if spec.name in want else f"[{b.batch}, {b.seq_len}, E, C]"
+            raise BundleError(f"{where}.inputs: {spec.name} must be int64 {shape} (got {spec.dtype} {list(spec.shape)})")
+    for spec in b.inputs[3:]:
+        if spec.name not in state:
+            raise BundleError(f"{where}.inputs: {spec.name} is neither a data input nor a state tensor of the manifest")
+    for spec in b.outputs[1:]:
+        if spec.name not in state and not spec.name.startswith(PROBE_PREFIX):
+            raise BundleError(f"{where}.outputs: {spec.name} is neither a state tensor nor a probe")
+    return engram.shape[2:]
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of the float range")
+    return value
 
 
 def _dtype_map(raw: dict[str, Any], where: str) -> dict[str, str]:

@@ -12,9 +12,12 @@ at the smallest decode capacity holding the positions in use, resizing the state
 capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) -> stop a
 row at EOS (not part of its text) or max_new_tokens.
 
-Context limit, decided up front: a prompt of L tokens may generate N tokens only when L + N <= the
-largest decode capacity; otherwise the call is refused before any work with a UserError naming the
-capacity (so no partial generation is cut off silently).
+Context limit, decided up front: a prompt of L tokens may generate N tokens only when
+L + N - 1 <= the largest decode capacity. The prefill holds positions 0..L-1 and its logits give the
+first new token; each later token comes from a decode step that feeds the previous new token at
+position L + k - 1 (k = 1..N-1), so the last step writes position L + N - 2 and the last new token
+is sampled but never fed back. Otherwise the call is refused before any work with a UserError
+naming the capacity (so no partial generation is cut off silently).
 
 Streaming: `stream(row, piece)` gets each row's new text as it is generated. The whole generated
 id list is decoded each time and the new suffix emitted, holding back a trailing U+FFFD (an
@@ -33,27 +36,29 @@ import torch
 
 from dsneuron import UserError
 
-from . import select
+from . import schema, select
 from .bundle import Bundle, open_bundle
 from .executor_cpu import CpuExecutable, register_custom_ops
-from .sampling import check_params, sample
+from .sampling import check_params, check_seed, sample
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 if TYPE_CHECKING:
     from .executor_neuron import NeuronExecutable
 
-DATA_INPUTS = ("tokens", "valid_len", "pos", "engram_ids")
+DATA_INPUTS = frozenset(n for names in schema.DATA_INPUTS.values() for n in names)
 
 
 @dataclass
 class StepResult:
     """One step of `Session.teacher_forced`: logits fp32 [V] of row 0, its stage probes (empty unless
-    the bundle was compiled with probes; names without the prefix, batch row 0), and the wall time in
-    seconds of the executable call alone."""
+    the bundle was compiled with probes; names without the prefix, batch row 0), the wall time in
+    seconds of the executable call alone, and the state tensors the step was given (batch row 0 kept
+    as a batch of 1, at the bucket's capacity; empty for the prefill)."""
 
     logits: torch.Tensor
     probes: dict[str, torch.Tensor]
     seconds: float
+    state_in: dict[str, torch.Tensor]
 
 
 class TextStream:
@@ -79,6 +84,18 @@ class TextStream:
         piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted = text
         return piece
+
+
+def check_context(prompt_len: int, max_new_tokens: int, capacity: int) -> None:
+    """UserError naming the limit unless a prompt of `prompt_len` tokens can generate
+    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 <= capacity
+    (module docstring: the last new token is never fed back, so it takes no position)."""
+    needed = prompt_len + max_new_tokens - 1
+    if needed > capacity:
+        raise UserError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs {needed} positions "
+                        f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
+                        f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
+                        f"max_new_tokens <= {capacity - prompt_len + 1}")
 
 
 def fresh_state(specs: Sequence[TensorSpec], fills: dict[str, StateEntry]) -> dict[str, torch.Tensor]:
@@ -110,7 +127,7 @@ def make_engram_hasher(params: dict):
 
     try:
         return NgramHasher(params)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: a value of the wrong JSON type
         raise BundleError(f"manifest host_preprocessing.engram: {e}") from None
 
 
@@ -141,6 +158,10 @@ class Session:
             raise BundleError("manifest host_preprocessing.engram: the executables take engram ids but the "
                               "manifest carries no hashing parameters")
         self.hasher = make_engram_hasher(params) if self.engram_cols[0] > 0 else None
+        vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
+        if self.hasher is not None and self.hasher.vocab_size != vocab:
+            raise BundleError(f"manifest host_preprocessing.engram.token_map: maps {self.hasher.vocab_size} token ids, "
+                              f"the model's vocabulary has {vocab}")
 
     @classmethod
     def load(cls, path: str | Path) -> "Session":
@@ -179,8 +200,9 @@ class Session:
         temperature 0 is greedy; otherwise temperature/top-p sampling from a torch.Generator seeded
         with `seed` (fresh entropy when None). `stream(row, piece)` receives text as it is final.
         Raises UserError naming the limit for an empty prompt, a prompt longer than the largest
-        prefill bucket, more prompts than the largest batch bucket, prompt + max_new_tokens beyond
-        the context capacity, or bad sampling values.
+        prefill bucket, more prompts than the largest batch bucket, prompt + max_new_tokens - 1
+        beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
+        values (runtime_min/sampling.py).
         """
         single = isinstance(prompts, str)
         ids = self.generate_ids([prompts] if single else list(prompts), max_new_tokens, temperature, top_p, seed, stream)
@@ -196,14 +218,12 @@ class Session:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         check_params(temperature, top_p)
+        check_seed(seed)
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         batch = select.pick_batch(self.batch_sizes, len(ids))
         longest = max(len(x) for x in ids)
         seq_len = select.pick_prefill(self._lengths("prefill", batch), longest)
-        if longest + max_new_tokens > self.max_capacity:
-            raise UserError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
-                            f"exceeds the context capacity of this bundle, {self.max_capacity} tokens "
-                            f"(compile.decode_context_lens); use max_new_tokens <= {self.max_capacity - longest}")
+        check_context(longest, max_new_tokens, self.max_capacity)
         gen = torch.Generator()
         if seed is None:
             gen.seed()
@@ -285,7 +305,8 @@ class Session:
             state = self._collect(exe.bucket, outs)
             probes = {spec.name[len(PROBE_PREFIX):]: t[0] for spec, t in zip(exe.bucket.outputs, outs)
                       if spec.name.startswith(PROBE_PREFIX)}
-            results.append(StepResult(outs[0][0], probes, seconds))
+            state_in = {spec.name: t[:1] for spec, t in zip(exe.bucket.inputs, args) if spec.name not in DATA_INPUTS}
+            results.append(StepResult(outs[0][0], probes, seconds, state_in))
         return results
 
     def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):

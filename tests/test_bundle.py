@@ -27,7 +27,7 @@ from dsneuron.compiler.export import CompileError, StepGraph, export_step
 from dsneuron.compiler.lower import finish, inline_mode
 from dsneuron.runtime_min.bundle import check_toolchain, host_toolchain, missing_packages, open_bundle
 from dsneuron.runtime_min.executor_cpu import check_archive, register_custom_ops
-from dsneuron.runtime_min.schema import SCHEMA_VERSION, BundleError, Manifest
+from dsneuron.runtime_min.schema import SCHEMA_VERSION, SEAL, BundleError, Manifest, content_sha256
 from dsneuron.runtime_min.session import Session
 
 QUIET = Console(file=io.StringIO())
@@ -47,9 +47,13 @@ def copy(tmp_path):
     return dst
 
 
-def edit_manifest(folder: Path, change) -> None:
+def edit_manifest(folder: Path, change, seal: bool = True) -> None:
+    """Apply change(manifest dict) and write it back, sealed again unless seal=False (a bundle
+    writer that wrote this content, rather than a hand edit)."""
     m = json.loads((folder / "manifest.json").read_text())
     change(m)
+    if seal:
+        m[SEAL] = content_sha256(m)
     (folder / "manifest.json").write_text(json.dumps(m))
 
 
@@ -192,10 +196,125 @@ def test_path_outside_the_bundle(copy):
 
 def test_not_a_bundle(tmp_path):
     (tmp_path / "x").mkdir()
-    with pytest.raises(BundleError, match="is not a bundle: manifest.json is missing"):
+    with pytest.raises(BundleError, match="is not a dsneuron bundle: it has no manifest.json"):
         open_bundle(tmp_path / "x")
     with pytest.raises(BundleError, match="does not exist"):
         open_bundle(tmp_path / "nope")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(BundleError, match="is not a folder"):
+        open_bundle(tmp_path / "f")
+
+
+@pytest.mark.parametrize("what", ["nope", "empty", "file"])
+def test_run_and_inspect_word_a_missing_bundle_alike(monkeypatch, capsys, tmp_path, what):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    errs = []
+    for args in (["run", str(tmp_path / what), "--prompt", "hi"], ["inspect", str(tmp_path / what)]):
+        assert run_cli(monkeypatch, *args) == 2
+        errs.append(capsys.readouterr().err)
+    assert errs[0] == errs[1]
+    assert str(tmp_path / what) in errs[0]
+    if what == "empty":
+        assert "is not a dsneuron bundle: it has no manifest.json" in errs[0]
+
+
+# ------------------------------------------------------------------------------------------ malformed manifests
+_LATIN1 = b'{"format": "dsneuron-bundle", "created_by": "caf\xe9"}'
+
+
+@pytest.mark.parametrize("data, message", [
+    (_LATIN1, rf"manifest.json: not UTF-8 text \(invalid byte 0xe9 at offset {_LATIN1.index(0xe9)}\)"),
+    (b"\xff\xfe{}", r"manifest.json: not UTF-8 text \(invalid byte 0xff at offset 0\)"),
+    (b'{"format": "dsneuron-bundle",', r"manifest.json: not valid JSON"),
+    (b"[" * 100000, r"manifest.json: not valid JSON"),
+    (b'{"schema_version": 1e999}', r"manifest.json: not valid JSON .*out of the float range"),
+    (b"[1, 2]", r"manifest top level: expected a JSON object, got list"),
+])
+def test_unreadable_manifest(monkeypatch, capsys, copy, data, message):
+    (copy / "manifest.json").write_bytes(data)
+    with pytest.raises(BundleError, match=message):
+        open_bundle(copy)
+    for args in (["run", str(copy), "--prompt", "hi"], ["inspect", str(copy)]):
+        assert run_cli(monkeypatch, *args) == 2
+        err = capsys.readouterr().err
+        assert "manifest" in err and "Traceback" not in err
+
+
+def _bucket(m: dict, kind: str, length: int) -> dict:
+    return next(b for b in m["buckets"] if b["kind"] == kind and (b["seq_len"] if kind == "prefill" else b["capacity"]) == length)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.update(buckets=[]), r"manifest.json: buckets is empty"),
+    (lambda m: m.update(buckets=[b for b in m["buckets"] if b["kind"] == "prefill"]), r"buckets has no decode bucket"),
+    (lambda m: m["buckets"][0].pop("capacity"), r"manifest buckets\[0\].capacity: missing field"),
+    (lambda m: m["buckets"][1].update(batch="2"), r"manifest buckets\[1\].batch: expected int, got str"),
+    (lambda m: m["buckets"][0].update(inputs={}), r"manifest buckets\[0\].inputs: expected list, got dict"),
+    (lambda m: m["buckets"][0]["inputs"][0].update(shape=[2, -8]), r"buckets\[0\].inputs\[0\].shape: expected a list of non-negative"),
+    (lambda m: m["buckets"].append(m["buckets"][1]), r"buckets\[3\] \(decode b2 s8\) duplicates buckets\[1\]"),
+    (lambda m: _bucket(m, "decode", 8)["inputs"][1].update(shape=[3]), r"inputs: pos must be int64 \[2\] \(got int64 \[3\]\)"),
+    (lambda m: _bucket(m, "prefill", 8)["inputs"].reverse(), r"a prefill bucket takes tokens, valid_len, engram_ids first"),
+    (lambda m: _bucket(m, "decode", 16)["inputs"][3].update(name="other"), r"inputs: other is neither a data input nor a state"),
+    (lambda m: m["tokenizer"].update(pad_token_id=-1), r"tokenizer.pad_token_id -1 is not a token id in 0..257"),
+    (lambda m: m.update(state="kv"), r"manifest state: expected list, got str"),
+    (lambda m: m["host_preprocessing"]["engram"].update(n_heads=[]), r"manifest host_preprocessing.engram: int\(\) argument"),
+    (lambda m: m["host_preprocessing"]["engram"].update(token_map=[0, 1]), r"token_map: maps 2 token ids, the model's vocabulary has 258"),
+])
+def test_malformed_manifest_names_the_field(monkeypatch, capsys, copy, change, message):
+    """Sealed but malformed content (what a faulty writer could produce): the loader or the session
+    names the field; the CLI exits 2 without a traceback."""
+    edit_manifest(copy, change)
+    with pytest.raises(BundleError, match=message):
+        Session.load(copy)
+    assert run_cli(monkeypatch, "run", str(copy), "--prompt", "hi", "--max-new-tokens", "2") == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_executable_argument_count_is_cross_checked(copy):
+    edit_manifest(copy, lambda m: _bucket(m, "prefill", 8)["weights"].pop())
+    session = Session.load(copy)
+    with pytest.raises(BundleError, match=r"prefill_b2_s8.pt2: the executable takes 13 arguments, the manifest gives it "
+                                          r"9 weights \+ 3 inputs"):
+        session.generate("hi", max_new_tokens=1)
+
+
+# ------------------------------------------------------------------------------------------ seal
+def test_hand_edited_capacity_is_refused(monkeypatch, capsys, copy):
+    """The trial's edit: a decode bucket's capacity 16 -> 32 ran into a C++ index error deep in the
+    executable; it is now refused up front, naming the manifest as edited."""
+    edit_manifest(copy, lambda m: _bucket(m, "decode", 16).update(capacity=32), seal=False)
+    with pytest.raises(BundleError, match=r"manifest.json: was edited after `dsneuron compile` wrote it \(its content "
+                                          r"does not match its manifest_sha256\)"):
+        open_bundle(copy)
+    for args in (["run", str(copy), "--prompt", "hi"], ["inspect", str(copy)]):
+        assert run_cli(monkeypatch, *args) == 2
+        assert "was edited" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: _bucket(m, "decode", 8)["inputs"][3]["shape"].__setitem__(1, 9),
+    lambda m: m["state"][0].update(fill="1.0"),
+    lambda m: m["tokenizer"].update(eos_token_id=5),
+    lambda m: m.update(extra_field=1),
+])
+def test_any_edit_breaks_the_seal(copy, change):
+    edit_manifest(copy, change, seal=False)
+    with pytest.raises(BundleError, match="was edited"):
+        open_bundle(copy)
+
+
+def test_seal_ignores_layout_and_is_required(copy):
+    m = json.loads((copy / "manifest.json").read_text())
+    assert m[SEAL] == content_sha256(m) == hashlib.sha256(json.dumps(
+        {k: v for k, v in m.items() if k != SEAL}, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    reordered = dict(reversed(list(m.items())))
+    (copy / "manifest.json").write_text(json.dumps(reordered, indent=4))
+    open_bundle(copy)
+    del m[SEAL]
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="manifest.json: has no manifest_sha256 seal.*recompile the bundle"):
+        open_bundle(copy)
 
 
 def test_toolchain_rules():
@@ -362,3 +481,54 @@ def test_output_check_runs_before_compiling(tmp_path):
     with pytest.raises(OutputExistsError):
         pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, out, kit.parts, cache_dir=tmp_path / "c", console=QUIET)
     assert os.listdir(out) == ["manifest.json"]
+
+
+def test_compile_checks_out_before_making_the_checkpoint(monkeypatch, capsys, tmp_path, cli_kit):
+    """--out is refused before the (possibly minutes-long) checkpoint and weights step."""
+    _, config, calls = cli_kit
+    monkeypatch.setattr(pipeline, "build_steps_for_config",
+                        lambda m, c, cache_dir=None, probes=False: pytest.fail("made the checkpoint before checking --out"))
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    assert run_cli(monkeypatch, *compile_args(config, foreign, tmp_path)) == 2
+    assert "is not a dsneuron bundle" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert run_cli(monkeypatch, *compile_args(config, blocker / "sub" / "out", tmp_path)) == 2
+    assert f"{blocker} is not a folder" in capsys.readouterr().err
+    assert calls == [] and not (blocker.parent / "sub").exists()
+
+
+def test_unwritable_parent_is_refused(tmp_path, monkeypatch):
+    """No write permission where the temporary folder goes (simulated: tests may run as root,
+    who may write anywhere)."""
+    from dsneuron.compiler import bundle_writer
+
+    real = os.access
+    monkeypatch.setattr(bundle_writer.os, "access", lambda p, mode: False if Path(p) == tmp_path else real(p, mode))
+    with pytest.raises(bundle_writer.OutputError, match=f"no permission to write in {tmp_path}"):
+        bundle_writer.check_output(tmp_path / "new" / "out", force=False)
+
+
+def test_treespec_deprecation_is_hidden_only_inside_the_backend_compile(tmp_path, monkeypatch):
+    """torch's `isinstance(treespec, LeafSpec)` FutureWarning fired once per bucket from
+    aoti_compile_and_package; exactly that warning is filtered there, others still show."""
+    import warnings
+
+    def fake_aoti(program, package_path, inductor_configs):
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
+                      "treespec.is_leaf()` instead.", FutureWarning)
+        warnings.warn("some other future change", FutureWarning)
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", DeprecationWarning)
+        Path(package_path).write_bytes(b"pt2")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_aoti)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        backend_cpu.compile_cpu(None, tmp_path / "m.pt2", {})
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning)  # outside: shown
+    assert [(w.category, str(w.message)[:30]) for w in seen] == [
+        (FutureWarning, "some other future change"), (DeprecationWarning, "`isinstance(treespec, LeafSpec"),
+        (FutureWarning, "`isinstance(treespec, LeafSpec")]
+    assert (tmp_path / "m.pt2").read_bytes() == b"pt2"

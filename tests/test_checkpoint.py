@@ -252,12 +252,68 @@ def test_loader_missing_index_shard_and_corrupt_shard(micro_checkpoint, micro_cf
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(broken, micro_cfg, rows)
     msg = str(e.value)
-    assert f"{shards[0]}: shard file missing" in msg
-    assert f"{shards[1]}: corrupt safetensors file" in msg
-    assert "embed.weight: expected BF16" in msg  # its tensors are reported missing too
+    index = json.loads((micro_checkpoint / INDEX).read_text())["weight_map"]
+    listed = [sum(1 for s in index.values() if s == shard) for shard in shards[:2]]
+    assert f"{shards[0]}: shard file missing ({listed[0]} tensors listed in the index)" in msg
+    assert f"{shards[1]}: corrupt safetensors file, {listed[1]} tensors listed in the index unreadable" in msg
+    # the shards are named once each; their tensors are not reported missing one by one
+    assert "2 checkpoint problem(s)" in msg and "\n  missing (" not in msg
+    assert "embed.weight" not in msg
 
     with pytest.raises(CheckpointError, match="no such directory"):
         load_checkpoint(tmp_path / "nowhere", micro_cfg, rows)
+
+
+def test_corrupt_shard_next_to_a_missing_tensor(micro_checkpoint, micro_cfg, tmp_path):
+    """A tensor the index does not list at all is still reported missing beside a corrupt shard."""
+    shards = [p.name for p in _shards(micro_checkpoint)]
+    bad = _clone(micro_checkpoint, tmp_path / "bad", copy=(shards[0], INDEX))
+    (bad / shards[0]).write_bytes(b"\x00" * 100)
+    index = json.loads((bad / INDEX).read_text())
+    victim = next(n for n, sh in index["weight_map"].items() if sh == shards[-1])
+    del index["weight_map"][victim]
+    (bad / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad, micro_cfg, _rows(micro_cfg))
+    msg = str(e.value)
+    assert f"{shards[0]}: corrupt safetensors file" in msg
+    assert f"missing (1):\n    {victim}: expected" not in msg  # stored in its shard, just not indexed
+    assert f"index (1):\n    {victim}: stored in {shards[-1]} but not listed" in msg
+
+
+def test_wrong_config_lists_the_first_problems_and_counts_the_rest(micro_checkpoint, micro_cfg):
+    """`dsneuron compare` with a checkpoint of another config printed every one of ~1500 problems.
+    Oracle for the counts: the two configs' tensor lists compared directly."""
+    import dataclasses
+
+    other = dataclasses.replace(micro_cfg, dim=288, moe_inter_dim=160)
+    want, have = checkpoint_spec(other, _rows(micro_cfg)), checkpoint_spec(micro_cfg, _rows(micro_cfg))
+    n_mismatched = sum(1 for n in want if n in have and (want[n].dtype, want[n].shape) != (have[n].dtype, have[n].shape))
+    n_missing, n_unexpected = len(set(want) - set(have)), len(set(have) - set(want))
+    total = n_mismatched + n_missing + n_unexpected
+    assert total > 2 * ck.PROBLEMS_SHOWN
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(micro_checkpoint, other, _rows(micro_cfg))
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"{micro_checkpoint}: {total} checkpoint problem(s)"
+    items = [line for line in lines if line.startswith("    ") and not line.startswith("    ... and ")]
+    assert len(items) <= ck.PROBLEMS_SHOWN + 2  # at least one per group
+    headings = [line.strip() for line in lines[1:] if not line.startswith("    ")]
+    groups = {h.split(" (")[0]: int(h.split("(")[1].rstrip("):")) for h in headings}
+    assert groups.get("mismatched") == n_mismatched
+    assert groups.get("missing", 0) == n_missing and groups.get("unexpected", 0) == n_unexpected
+    more = sum(int(line.split()[2]) for line in lines if line.startswith("    ... and "))
+    assert len(items) + more == total
+
+
+def test_problem_report_budget():
+    groups = [("shards", []), ("missing", [f"m{i}" for i in range(15)]), ("unexpected", ["u0", "u1"]),
+              ("mismatched", ["x0"])]
+    assert ck._problem_report(Path("/ck"), groups, shown=4).splitlines() == [
+        "/ck: 18 checkpoint problem(s)",
+        "  missing (15):", "    m0", "    m1", "    m2", "    m3", "    ... and 11 more",
+        "  unexpected (2):", "    u0", "    ... and 1 more",
+        "  mismatched (1):", "    x0"]
 
 
 def test_loader_checks_against_the_given_config(micro_checkpoint, micro_cfg):
@@ -281,6 +337,12 @@ def test_config_files_must_agree(micro_checkpoint, tmp_path):
     (only_hf / "inference" / "config.json").unlink()
     assert read_checkpoint_config(only_hf) == read_checkpoint_config(micro_checkpoint)
 
+    nested = _clone(micro_checkpoint, tmp_path / "nested", copy=("config.json",))
+    text = json.loads((nested / "config.json").read_text())
+    (nested / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": text,
+                                                    "vision_config": {}}))
+    assert read_checkpoint_config(nested) == read_checkpoint_config(micro_checkpoint)
+
     rows = _clone(micro_checkpoint, tmp_path / "rows", copy=("inference/config.json",))
     inf = json.loads((rows / "inference" / "config.json").read_text())
     inf["engram_num_embeddings"][0] += 1
@@ -288,6 +350,51 @@ def test_config_files_must_agree(micro_checkpoint, tmp_path):
     (rows / "config.json").unlink()
     with pytest.raises(CheckpointError, match="engram_num_embeddings"):
         read_checkpoint_config(rows)
+
+
+@pytest.mark.parametrize("garbage, message", [
+    ({"hello": "world"}, r"not a complete HF config of the model: missing vocab_size, hidden_size, num_hidden_layers"),
+    ("DROP:rope_scaling", r"missing rope_scaling.original_max_position_embeddings, rope_scaling.factor, "
+                          r"rope_scaling.beta_fast, rope_scaling.beta_slow$"),
+    ("DROP:hidden_size", r"config.json: not a complete HF config of the model: missing hidden_size$"),
+    ([1, 2], r"config.json: expected a JSON object"),
+    (b"\x89PNG\r\n", r"config.json: cannot read JSON"),
+])
+def test_malformed_hf_config_is_refused_beside_a_good_inference_config(micro_checkpoint, tmp_path, garbage, message):
+    """inference/config.json is authoritative, but a config.json that does not describe the model
+    was silently outvoted; it is refused, naming the file and what it lacks."""
+    bad = _clone(micro_checkpoint, tmp_path / "bad", copy=("config.json",))
+    if isinstance(garbage, str):
+        hf = json.loads((bad / "config.json").read_text())
+        del hf[garbage.removeprefix("DROP:")]
+        (bad / "config.json").write_text(json.dumps(hf))
+    elif isinstance(garbage, bytes):
+        (bad / "config.json").write_bytes(garbage)
+    else:
+        (bad / "config.json").write_text(json.dumps(garbage))
+    with pytest.raises(CheckpointError, match=message) as e:
+        read_checkpoint_config(bad)
+    assert str(bad / "config.json") in str(e.value)
+
+
+def test_malformed_inference_config_is_refused(micro_checkpoint, tmp_path):
+    from dsneuron.graphs.config import ConfigError
+
+    bad = _clone(micro_checkpoint, tmp_path / "bad", copy=("inference/config.json",))
+    (bad / "inference" / "config.json").write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(ConfigError, match=rf"{bad / 'inference' / 'config.json'}.hello: unknown key"):
+        read_checkpoint_config(bad)
+
+
+def test_vocab_size_bound(micro_cfg):
+    """Token ids must fit int32 (graphs/config.py MAX_VOCAB_SIZE)."""
+    from dsneuron.graphs.config import ConfigError, ModelConfig
+
+    raw = micro_cfg.to_dict()
+    assert ModelConfig.from_dict({**raw, "vocab_size": 2**31}).vocab_size == 2**31
+    with pytest.raises(ConfigError, match=r"model.vocab_size: must be <= 2147483648 = 2\*\*31, so that every token id "
+                                          r"fits int32 .*\(got 2147483649\)"):
+        ModelConfig.from_dict({**raw, "vocab_size": 2**31 + 1})
 
 
 # ------------------------------------------------------------------------------- atomic write

@@ -24,14 +24,16 @@ def session(micro_bundle):
 
 
 def test_every_compiled_stage_reproduces_the_golden_stage_on_its_input(session, micro_golden):
-    """Prefill of 11 tokens + 6 decode steps: each stage the golden can re-run on the bundle's
-    recorded input (hc mixes, MoE, head, prefill attention) is within the issue's 2 bf16 ulps, and
-    the end to end drift is no worse than the floors'."""
+    """Prefill of 11 tokens + 6 decode steps: every stage the golden re-runs on the bundle's
+    recorded input and state (hc mixes, attention of every layer, MoE, head; prefill and each decode
+    step) is within the issue's 2 bf16 ulps, and the end to end drift is no worse than the floors'."""
     ids = torch.randint(0, 128000, (17,), generator=torch.Generator().manual_seed(1)).tolist()
     rep = compare_sequence(session, micro_golden, "random", ids, 11)
     assert rep.n_steps == 7 and len(rep.steps) == 7
-    kinds = {stage_kind(s) for s, per in rep.stages.items() if "local" in per[0]}
+    kinds = {stage_kind(s) for s, per in rep.stages.items() if all("local" in step for step in per)}
     assert {"hc_attn.comb", "hc_ffn.pre", "ffn.out", "attn.out", "final.logits"} <= kinds
+    n_layers = micro_golden.cfg.n_layers
+    assert all("local" in step for L in range(n_layers) for step in rep.stages[f"layers.{L}.attn.out"])
     stage, ulps = worst_local(rep)
     assert ulps <= 2, (stage, ulps)
     v = end_to_end_verdict(rep)

@@ -51,7 +51,7 @@ from dsneuron.runtime_min.bundle import missing_packages, open_bundle
 from dsneuron.runtime_min.executor_neuron import NeuronExecutor, check_sdk_versions, neff_records
 from dsneuron.runtime_min.neff import (HEADER_SIZE, NeffError, NeffRecord, check_header, host_lnc, parse_header,
                                        read_header, verify_neff)
-from dsneuron.runtime_min.schema import BundleError, Manifest
+from dsneuron.runtime_min.schema import SEAL, BundleError, Manifest, content_sha256
 from dsneuron.runtime_min.session import Session
 
 QUIET = Console(file=io.StringIO())
@@ -751,6 +751,7 @@ def test_a_run_only_host_opens_a_neuron_bundle_compiled_on_another_host(fake_sdk
     raw = json.loads((out / "manifest.json").read_text())
     raw["toolchain"].update(torch="2.1.0", machine="aarch64" if raw["toolchain"]["machine"] != "aarch64" else "x86_64",
                             cpu_isa=["no_such_isa_extension"])
+    raw[SEAL] = content_sha256(raw)  # as if written on that host (schema.py seals the manifest)
     (out / "manifest.json").write_text(json.dumps(raw))
     assert open_bundle(out).manifest.target == "neuron"
     with pytest.raises(BundleError, match="compiled with torch 2.1.0"):  # the same record on cpu is refused

@@ -4,6 +4,7 @@ padding, state growth across capacities, limits, EOS, streaming, sampling."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 import stand_in
 from stand_in import run_cli
 from dsneuron import UserError
-from dsneuron.runtime_min.sampling import sample
+from dsneuron.runtime_min.sampling import check_params, check_seed, sample
 from dsneuron.runtime_min.schema import BundleError, TensorSpec
-from dsneuron.runtime_min.session import Session, TextStream, resize_state
+from dsneuron.runtime_min.schema import SEAL, content_sha256
+from dsneuron.runtime_min.session import Session, TextStream, check_context, resize_state
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +103,35 @@ def test_empty_prompt(session):
         session.generate(["ok", ""], max_new_tokens=1)
 
 
+def test_generation_that_exactly_fills_the_capacity(session, bundle):
+    """7 prompt tokens + 10 new ones: the prefill holds positions 0..6 and gives the first token, 9
+    decode steps feed positions 7..15, the tenth token is sampled and never fed: 16 positions, the
+    largest capacity, exactly. The tokens are the float64 oracle's, up to an EOS."""
+    _, kit = bundle
+    ids = session.encode(prompt_of(7))
+    got = session.generate_ids([prompt_of(7)], max_new_tokens=10)[0]
+    want = kit.greedy(ids, 10)
+    assert got == want[:len(got)]
+    assert len(got) == 10 or want[len(got)] == kit.eos
+
+
 def test_generation_past_capacity_is_refused_up_front(session):
-    assert len(session.generate_ids([prompt_of(7)], max_new_tokens=9)[0]) <= 9  # 7 + 9 = 16 fits
-    with pytest.raises(UserError, match=r"7 tokens \+ max_new_tokens 10 = 17 exceeds the context capacity of this "
-                                        r"bundle, 16 tokens.*max_new_tokens <= 9"):
-        session.generate(prompt_of(7), max_new_tokens=10)
+    with pytest.raises(UserError, match=r"prompt of 7 tokens \+ max_new_tokens 11 needs 17 positions .* exceeds the "
+                                        r"context capacity of this bundle, 16 tokens.*max_new_tokens <= 10"):
+        session.generate(prompt_of(7), max_new_tokens=11)
+
+
+@pytest.mark.parametrize("prompt_len, new, fits", [(16, 1, True), (17, 1, False), (16, 2, False), (1, 16, True),
+                                                   (1, 17, False), (8, 9, True), (8, 10, False)])
+def test_context_rule_edges(prompt_len, new, fits):
+    """prompt + new - 1 <= capacity 16: a prompt of exactly the capacity still gets its one token
+    from the prefill logits, one position more is refused."""
+    if fits:
+        check_context(prompt_len, new, 16)
+    else:
+        with pytest.raises(UserError, match=rf"needs {prompt_len + new - 1} positions .* 16 tokens .*"
+                                            rf"max_new_tokens <= {16 - prompt_len + 1}"):
+            check_context(prompt_len, new, 16)
 
 
 def test_too_many_prompts(session):
@@ -131,6 +157,7 @@ def test_stops_at_eos(tmp_path, bundle, session):
     shutil.copytree(src, copy)
     m = json.loads((copy / "manifest.json").read_text())
     m["tokenizer"]["eos_token_id"] = ref[2]
+    m[SEAL] = content_sha256(m)  # an edit on purpose: seal it again (schema.py)
     (copy / "manifest.json").write_text(json.dumps(m))
     assert Session.load(copy).generate_ids([p], max_new_tokens=4) == [ref[:2]]
 
@@ -157,7 +184,61 @@ def test_seeded_sampling_is_reproducible(session):
     assert a == b
 
 
+def test_seed_range(session):
+    """torch.Generator takes a seed as an unsigned 64-bit integer: the ends of that range work, the
+    values past them are refused by name instead of overflowing (2**64) or wrapping around (-1)."""
+    for seed in (0, 2**64 - 1):
+        assert len(session.generate_ids(["hi"], max_new_tokens=2, temperature=1.0, seed=seed)[0]) <= 2
+    for seed in (2**64, -1, 1.5, True):
+        with pytest.raises(UserError, match=r"seed must be an integer in 0\.\.18446744073709551615 \(2\*\*64 - 1\)"):
+            session.generate_ids(["hi"], max_new_tokens=2, temperature=1.0, seed=seed)
+    check_seed(None)
+
+
+def test_tiny_temperature_is_greedy(session):
+    """T = 1e-40 overflowed logits / T in fp32; computed as (logits - max) / T in float64 it is the
+    greedy choice (no ties in the stand-in's logits)."""
+    greedy = session.generate_ids(["hi", "h\u00e9llo"], max_new_tokens=6)
+    assert session.generate_ids(["hi", "h\u00e9llo"], max_new_tokens=6, temperature=1e-40, seed=0) == greedy
+
+
 # ------------------------------------------------------------------------------------------ sampling
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_tiny_temperature_samples_the_maxima_evenly(temperature):
+    """Oracle: as T -> 0, softmax(l / T) puts mass 1/k on each of the k maxima and 0 elsewhere."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0, 2.999]]).expand(4000, 5)
+    got = sample(logits, temperature, generator=torch.Generator().manual_seed(0))
+    assert set(got.tolist()) == {1, 3}
+    assert abs((got == 1).float().mean().item() - 0.5) < 0.04  # binomial sd at n = 4000 is 0.008
+
+
+@pytest.mark.parametrize("temperature", [1e6, 1e300, 1.7e308])
+def test_huge_temperature_is_uniform(temperature):
+    logits = torch.tensor([[10.0, -10.0, 0.0, 3.0]]).expand(8000, 4)
+    got = sample(logits, temperature, generator=torch.Generator().manual_seed(1))
+    shares = torch.bincount(got, minlength=4).double() / 8000
+    assert bool(((shares - 0.25).abs() < 0.03).all())  # sd 0.005
+
+
+def test_temperature_matches_the_float64_softmax():
+    """An ordinary T: the draw frequencies follow softmax(l / T) computed by hand in float64."""
+    logits = torch.tensor([[0.0, 0.5, 1.0, 1.5]])
+    T = 0.7
+    e = [math.exp(x / T) for x in logits[0].tolist()]
+    want = [v / sum(e) for v in e]
+    got = sample(logits.expand(20000, 4), T, generator=torch.Generator().manual_seed(2))
+    shares = (torch.bincount(got, minlength=4).double() / 20000).tolist()
+    assert all(abs(a - b) < 0.015 for a, b in zip(shares, want))  # sd <= 0.0035
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -1e-9])
+def test_temperature_must_be_finite_and_not_negative(temperature):
+    with pytest.raises(UserError, match="temperature must be a finite number >= 0"):
+        check_params(temperature, 1.0)
+    with pytest.raises(UserError, match="temperature must be a finite number >= 0"):
+        sample(torch.zeros(1, 4), temperature)
+
+
 def test_greedy_takes_lowest_id_among_ties():
     assert sample(torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 0.0, 0.0]])).tolist() == [1, 0]
 
@@ -190,6 +271,21 @@ def test_resize_state_grows_and_shrinks_one_dimension():
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_run_streams_the_generation(monkeypatch, capsys, bundle, session):
     code = run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "hi", "--max-new-tokens", "5")
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out == session.generate("hi", max_new_tokens=5) + "\n"
+
+
+def test_cli_run_seed_out_of_range_exits_2(monkeypatch, capsys, bundle):
+    for seed in (str(2**64), "-1"):
+        assert run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "hi", "--max-new-tokens", "2",
+                       "--temperature", "1", "--seed", seed) == 2
+        err = capsys.readouterr().err
+        assert f"seed must be an integer in 0..{2**64 - 1}" in err and "Traceback" not in err
+
+
+def test_cli_run_tiny_temperature(monkeypatch, capsys, bundle, session):
+    code = run_cli(monkeypatch, "run", str(bundle[0]), "--prompt", "hi", "--max-new-tokens", "5", "--temperature", "1e-40")
     out = capsys.readouterr().out
     assert code == 0
     assert out == session.generate("hi", max_new_tokens=5) + "\n"

@@ -1,0 +1,85 @@
+"""The model's rounding points survive the cpu backend's compiler.
+
+The golden model is eager PyTorch; the bundle is the same expressions compiled by Inductor with the
+cpu backend's flags (compiler/backend_cpu.py DEFAULT_FLAGS) and the custom ops inlined
+(compiler/lower.py). Inductor may lower an expression differently at one shape than at another: a
+bf16 einsum with one row (every decode step) became a kernel that rounds inside the sum, and 40% of
+wo_a's outputs moved by a bf16 step or more. These tests compile single stages at decode shapes and
+require the bits of eager execution; the bf16 GEMMs are also checked against float64 rounded once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsneuron.compiler.backend_cpu import DEFAULT_FLAGS
+from dsneuron.compiler.lower import inline_mode
+from dsneuron.graphs.model import gemm_order
+from dsneuron.graphs.quant import act_quant_qdq
+from dsneuron.graphs.steps import init_state
+from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_bf16_ref
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def _compiled(fn, *args):
+    """fn traced at args' shapes as the cpu backend does (non-strict torch.export, custom ops
+    inlined), then compiled by Inductor with the backend's flags."""
+    torch._dynamo.reset()
+    with inline_mode("cpu"):
+        program = torch.export.export(_Fn(fn), args, strict=False)
+    return torch.compile(program.module(), backend="inductor", options=dict(DEFAULT_FLAGS), fullgraph=True)
+
+
+def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
+
+
+def test_compiled_decode_attention_equals_eager(micro_golden):
+    """Attention of a window-only layer and of a compressing index-source layer at one decode
+    token: compiled == eager, bit for bit (q/kv projections, RoPE, FP8 window KV, ring, sparse
+    attention, inverse RoPE, grouped wo_a, wo_b)."""
+    model = micro_golden.model
+    cfg = model.cfg
+    for L in (0, 1):
+        attn = model.layers[L].attn
+        state = init_state(cfg, 1, model.max_seq_len)  # empty compressed caches: the window carries it
+        ring = act_quant_qdq(_bf16(1, cfg.window_size, cfg.head_dim, seed=L, scale=0.3), 32)
+        x = _bf16(1, 1, cfg.dim, seed=10 + L)
+
+        def step(x: torch.Tensor, ring: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            ctx = model.inputs(1, p.unsqueeze(1), None, p, None)
+            return attn(x, ctx, dict(state, **{f"layers.{L}.window_kv": ring}), {}, {})
+
+        with gemm_order("fused"):
+            compiled = _compiled(step, x, ring, torch.tensor([0]))
+            for pos in (3, 20):  # ring still filling; ring full and wrapped
+                p = torch.tensor([pos])
+                got, want = compiled(x, ring, p), step(x, ring, p)
+                assert torch.equal(got, want), (L, pos, (got != want).float().mean().item())
+
+
+def test_compiled_one_row_bf16_gemms_round_once():
+    """wo_a's grouped einsum at one row, compiled: equal to the float64 result rounded once to bf16
+    (exact products, no rounding inside the sum); the indexer's scores at one row: eager's bits."""
+    o, wo_a = _bf16(1, 1, 2, 256, seed=1), _bf16(2, 64, 256, seed=2, scale=0.05)
+
+    def grouped(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsgd,grd->bsgr", o.float(), w.float()).to(torch.bfloat16)
+
+    want = torch.einsum("bsgd,grd->bsgr", o.double(), wo_a.double()).to(torch.bfloat16)
+    assert torch.equal(_compiled(grouped, o, wo_a)(o, wo_a), want)
+
+    # the indexer's score expression is the official bf16 one (tests/test_mqa_logits.py): at one row,
+    # compiled it must still give eager's bits
+    q, k, w = _bf16(1, 1, 4, 64, seed=3), _bf16(1, 40, 64, seed=4), _bf16(1, 1, 4, seed=5)
+    got = _compiled(mqa_logits_bf16_ref, q, k, w)(q, k, w)
+    assert torch.equal(got, mqa_logits_bf16_ref(q, k, w)), (got != mqa_logits_bf16_ref(q, k, w)).float().mean().item()
