@@ -129,37 +129,50 @@ def stage_metrics(name: str, got: torch.Tensor, ref: torch.Tensor, offsets: tupl
 
 # ----------------------------------------------------------------------------------------- local re-runs
 def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int | None = None,
-                 decode_pos: int | None = None, state: dict[str, torch.Tensor] | None = None
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                 decode_pos: int | None = None, state: dict[str, torch.Tensor] | None = None,
+                 engram_ids: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The golden's stages re-run on the bundle's recorded inputs (one step, batch row 0):
-    {stage: (bundle output, golden output on the bundle's input)}. model: graphs.model.Transformer.
+    {stage: (bundle output, golden output on the bundle's input)}, the bundle's at its bucket shape
+    (compare them with `stage_metrics`). model: graphs.model.Transformer.
 
     Give prefill_len (the prompt length) at the prefill step, or decode_pos (the token's position)
     and state (the state tensors the bundle's decode step was given, batch 1, `StepResult.state_in`)
     at a decode step. Attention is re-run layer by layer in order on each layer's recorded input, so
     a layer that reads another layer's compressed KV, indexer keys, top-k or candidate blocks gets
-    them from the golden re-run of that source layer on the bundle's input. The mixes, the MoE and
-    the head are pure functions of their recorded inputs."""
-    from dsneuron.graphs.model import hc_post
+    them from the golden re-run of that source layer on the bundle's input; the stages inside each
+    attention (quantised window and compressed KV, indexer scores, candidate blocks, top-k, index
+    list, the sparse attention result `attn.core`) are returned too, and the output projection
+    (`attn.out`) is re-run on the bundle's `attn.core`. With engram_ids (int64 [1, L, E, C], the golden's hash ids of this step's
+    tokens) the engram layers are re-run too. The mixes, the MoE (in
+    its dense form, the exported one) and the head are pure functions of their recorded inputs."""
+    from dsneuron.graphs.model import Capture, hc_post
     from dsneuron.graphs.steps import init_state
 
     if (prefill_len is None) == (decode_pos is None) or (decode_pos is not None and state is None):
         raise ValueError("local_reruns: give prefill_len, or decode_pos with state")
+    inside = Capture()  # what each attention re-run computes on the way: quantised KV, scores, selections
     if prefill_len is not None:
         L = prefill_len
-        ctx = model.inputs(L, torch.arange(L).unsqueeze(0), torch.tensor([L]), None, None)
+        ctx = model.inputs(L, torch.arange(L).unsqueeze(0), torch.tensor([L]), None, inside)
         state = init_state(model.cfg, 1, model.max_seq_len)
     else:
         L = 1
         pos = torch.tensor([decode_pos])
-        ctx = model.inputs(1, pos.unsqueeze(1), None, pos, None)
+        ctx = model.inputs(1, pos.unsqueeze(1), None, pos, inside)
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     shared: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
+        if layer.engram is not None and engram_ids is not None and f"{p}.engram.in" in probes:
+            e = model.cfg.engram_layer_ids.index(i)
+            o = layer.engram(probes[f"{p}.engram.in"][:L].unsqueeze(0), engram_ids[:, :, e])
+            out[f"{p}.engram.out"] = (probes[f"{p}.engram.out"], o[0])
         if f"{p}.attn.in" in probes:
-            o = layer.attn(probes[f"{p}.attn.in"][:L].unsqueeze(0), ctx, state, {}, shared)
-            out[f"{p}.attn.out"] = (probes[f"{p}.attn.out"][:L], o[0])
+            layer.attn(probes[f"{p}.attn.in"][:L].unsqueeze(0), ctx, state, {}, shared)
+            if f"{p}.attn.core" in probes:
+                cos, sin = ctx.rope[layer.attn.ratio > 0]
+                o = layer.attn.output(probes[f"{p}.attn.core"][:L].unsqueeze(0), cos, sin)
+                out[f"{p}.attn.out"] = (probes[f"{p}.attn.out"], o[0])
         x_in = probes.get(f"{p}.engram.out", probes.get(f"layers.{i - 1}.out"))
         if x_in is not None and f"{p}.hc_attn.comb" in probes:
             for j, t in enumerate(layer.hc_mixes(x_in.unsqueeze(0), "attn")):
@@ -171,9 +184,12 @@ def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int |
                 part = ("pre", "post", "comb")[j]
                 out[f"{p}.hc_ffn.{part}"] = (probes[f"{p}.hc_ffn.{part}"], t[0])
         if f"{p}.ffn.in" in probes:
-            out[f"{p}.ffn.out"] = (probes[f"{p}.ffn.out"], layer.ffn(probes[f"{p}.ffn.in"].unsqueeze(0), routed=True)[0])
+            # dense, as the exported steps run it: in fused GEMM order the routed and the dense MoE
+            # are different GEMM calls (rows per call), a difference of the floor's kind
+            out[f"{p}.ffn.out"] = (probes[f"{p}.ffn.out"], layer.ffn(probes[f"{p}.ffn.in"].unsqueeze(0), routed=False)[0])
     if "final.norm" in probes:
         out["final.logits"] = (probes["final.logits"], model.head(probes["final.norm"].unsqueeze(0).float())[0])
+    out.update({name: (probes[name], t[0]) for name, t in inside.tensors.items() if name in probes})
     return out
 
 
@@ -252,6 +268,7 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
     with nudged_embedding():
         nudge = golden.teacher_forced(seq, n_prompt)
     rep = PromptReport(name, n_prompt, len(got))
+    engram_ids = golden.engram_ids(torch.tensor([seq]))  # [1, len(seq), E, C]
     for step, (g, r, f, n) in enumerate(zip(got, ref, floor, nudge)):
         rep.steps.append({"bundle": logit_metrics(g.logits, r.logits), "floor": logit_metrics(f.logits, r.logits),
                           "nudge": logit_metrics(n.logits, r.logits)})
@@ -260,25 +277,42 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
         prefill = step == 0
         offsets = (_bucket_seq_len(g.probes), n_prompt) if prefill else None
         for stage, r_t in r.capture.items():
+            if stage not in g.probes:  # a probe bundle compiled before the stage was captured
+                continue
             r_t = r_t[0]  # golden batch row 0, as the bundle's probes
             entry = {"bundle": stage_metrics(stage, g.probes[stage], r_t, offsets),
                      "floor": stage_metrics(stage, f.capture[stage][0], r_t, (n_prompt, n_prompt) if prefill else None)}
             rep.stages.setdefault(stage, []).append(entry)
         # the golden stage in the bundle's declared numerics: its GEMMs summed as one fp32 GEMM
         with torch.inference_mode(), gemm_order("fused"):
-            at = {"prefill_len": n_prompt} if prefill else {"decode_pos": n_prompt + step - 1, "state": g.state_in}
+            if prefill:
+                at = {"prefill_len": n_prompt, "engram_ids": engram_ids[:, :n_prompt]}
+            else:
+                p = n_prompt + step - 1
+                at = {"decode_pos": p, "state": g.state_in, "engram_ids": engram_ids[:, p:p + 1]}
             for stage, (b_out, g_out) in local_reruns(golden.model, g.probes, **at).items():
-                rep.stages[stage][-1]["local"] = tensor_metrics(b_out, g_out)
+                rep.stages[stage][-1]["local"] = stage_metrics(stage, b_out, g_out, offsets)
     return rep
 
 
 def worst_local(rep: PromptReport) -> tuple[str, float]:
-    """(stage, max bf16 ulps) of the largest local error over all steps ("", 0.0 without probes)."""
+    """(stage, max bf16 ulps) of the largest local error of a float stage over all steps ("", 0.0
+    without probes)."""
     worst = ("", 0.0)
     for stage, per_step in rep.stages.items():
         for entry in per_step:
-            if "local" in entry and entry["local"]["max_ulp"] > worst[1]:
+            if "max_ulp" in entry.get("local", {}) and entry["local"]["max_ulp"] > worst[1]:
                 worst = (stage, entry["local"]["max_ulp"])
+    return worst
+
+
+def worst_local_selection(rep: PromptReport) -> tuple[str, float]:
+    """(stage, share of rows whose set differs) of the worst local re-run of a selection stage."""
+    worst = ("", 0.0)
+    for stage, per_step in rep.stages.items():
+        for entry in per_step:
+            if entry.get("local", {}).get("rows_differ", 0.0) > worst[1]:
+                worst = (stage, entry["local"]["rows_differ"])
     return worst
 
 
@@ -349,7 +383,8 @@ def render(reports: list[PromptReport], console: Any) -> None:
             st.add_column(col, justify="right" if col != "stage" else "left")
         for kind, a in summarise_stages(rep).items():
             if "bundle.rows_differ" in a:
-                st.add_row(kind, "", "", "", "", f"{a['bundle.rows_differ']:.3f} | {a['floor.rows_differ']:.3f}")
+                local = f" (local {a['local.rows_differ']:.3f})" if "local.rows_differ" in a else ""
+                st.add_row(kind, "", "", "", "", f"{a['bundle.rows_differ']:.3f} | {a['floor.rows_differ']:.3f}{local}")
             else:
                 local = f"{a['local.max_ulp']:.1f}" if "local.max_ulp" in a else "-"
                 st.add_row(kind, f"{a['bundle.max_ulp']:.1f} | {a['floor.max_ulp']:.1f}",
@@ -358,3 +393,6 @@ def render(reports: list[PromptReport], console: Any) -> None:
         console.print(st)
         stage, ulps = worst_local(rep)
         console.print(f"largest local error (golden stage on the bundle's input): {ulps:.3g} bf16 ulps at {stage or '-'} (goal: <= 2)")
+        sel_stage, rows = worst_local_selection(rep)
+        console.print(f"local selections (golden top-k on the bundle's input): "
+                      + (f"rows differ at {sel_stage}, share {rows:.3f}" if rows else "all identical"))

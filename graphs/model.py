@@ -19,10 +19,12 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   the bf16 indexer scores tie often.
 - Per-row positions. A batch may mix prompt lengths (prefill `valid_len[B]`) and decode positions
   (`pos[B]`); ring slots, compressor completion and cache writes are selected per row with masks.
-- The MoE of the exported steps runs every expert on every token with weight 0 where the token is
-  not routed (static shapes), as one batched GEMM per K block over the stacked experts; adding an
-  exact zero leaves the fp32 sum bit-identical to the reference's routed loop, which the eager
-  golden uses (`MoE.forward(routed=True)`).
+- The MoE of the exported steps has static shapes. A prefill runs every expert on every token
+  with weight 0 where the token is not routed, as one batched GEMM over the stacked experts; adding
+  an exact zero leaves the fp32 sum bit-identical to the reference's routed loop, which the eager
+  golden uses (`MoE.forward(routed=True)`). A decode step (tokens * topk < experts) gathers the
+  packed weights of each token's topk experts and dequantises only those, and adds the experts in
+  ascending id order, as the routed loop does.
 - RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
 - GEMMs with fewer than 8 rows are zero-padded to 8 (`quant.pad_rows`): the CPU BLAS sums fp32
   products in another order below 8 rows, which would make a decode step differ from a prefill.
@@ -567,7 +569,15 @@ class Attention(nn.Module):
             idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
         _cap(ctx.capture, f"layers.{L}.attn.idx", idx)
         o = torch.ops.dsneuron.sparse_attn(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
-        o = with_rope_tail(o, rd, cos, sin, inverse=True)
+        _cap(ctx.capture, f"layers.{L}.attn.core", o)
+        return self.output(o, cos, sin)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The output projection: attention result o bf16 [B,S,H,hd] -> bf16 [B,S,D] (inverse RoPE on
+        the tail, grouped wo_a, wo_b), with this layer kind's cos/sin at the tokens' positions."""
+        cfg = self.cfg
+        B, S = o.shape[:2]
+        o = with_rope_tail(o, cfg.rope_head_dim, cos, sin, inverse=True)
         # wo_a is block-diagonal over groups, hence the grouped einsum (model.py Attention.forward)
         o = o.view(B, S, cfg.o_groups, -1)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
@@ -635,8 +645,10 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8", cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
-        """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True gathers each expert's tokens (eager golden);
-        False runs every expert densely with zero weights (static shapes for export)."""
+        """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True loops over the experts, each on its tokens
+        (eager golden). routed=False has static shapes for export: when the call routes fewer
+        (token, expert) pairs than there are experts (B*S*topk < E: decode), only those experts' weights
+        are gathered and dequantised; otherwise every expert runs densely with zero weights."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
@@ -648,36 +660,50 @@ class MoE(nn.Module):
                 rows, slot = torch.where(indices == e)
                 if rows.numel():
                     y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+        elif x.size(0) * self.gate.topk < self.n_experts:
+            # each token's experts in ascending id order: the order the routed loop adds them in
+            ids, perm = indices.sort(dim=-1)
+            k = ids.size(1)
+            out = self._experts(x.repeat_interleave(k, dim=0).unsqueeze(1), weights.gather(1, perm).reshape(-1, 1, 1),
+                                ids.reshape(-1)).view(x.size(0), k, -1)  # bf16 [N, k, D]
+            for j in range(k):
+                y = y + out[:, j]
         else:
             dense = torch.zeros(x.size(0), self.n_experts, dtype=torch.float32, device=x.device).scatter(1, indices, weights)
-            out = self._all_experts(x, dense.t().unsqueeze(-1))  # bf16 [E, N, D]
+            out = self._experts(x, dense.t().unsqueeze(-1))  # bf16 [E, N, D]
             for e in range(self.n_experts):
                 y = y + out[e]
         y = y + self.shared_experts(x)
         return y.to(x.dtype).view(shape)
 
-    def _stacked(self, which: str) -> torch.Tensor:
-        """fp32 [E, out, in]: every routed expert's `which` (w1/w2/w3) projection, dequantised once
-        from the stacked packed bytes (or from the golden's cached copies)."""
+    def _stacked(self, which: str, ids: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [E', out, in]: the `which` (w1/w2/w3) projection of every routed expert (ids None,
+        E' = E) or of the experts ids int64 [E'] (repeats allowed), dequantised from the stacked
+        packed bytes after the gather (or taken from the golden's cached copies)."""
         lins = [getattr(ex, which) for ex in self.experts]
         if lins[0].cached is not None:
-            return torch.stack([lin.cached for lin in lins])
+            w = torch.stack([lin.cached for lin in lins])
+            return w if ids is None else w[ids]
         # stack the scale bytes as uint8: Inductor's cpu codegen has no e8m0 buffers
-        return dequant_fp4_weight(torch.stack([lin.weight for lin in lins]),
-                                  torch.stack([lin.scale.view(torch.uint8) for lin in lins]))
+        codes = torch.stack([lin.weight for lin in lins])
+        scales = torch.stack([lin.scale.view(torch.uint8) for lin in lins])
+        if ids is not None:
+            codes, scales = codes[ids], scales[ids]
+        return dequant_fp4_weight(codes, scales)
 
-    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, as Expert.forward computes it per expert: x bf16 [N, D],
-        weights fp32 [E, N, 1] (0 where not routed) -> bf16 [E, N, D]."""
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert.forward of a stack of experts at once: every routed expert on every token (ids
+        None: x bf16 [N, D], weights fp32 [E, N, 1], 0 where not routed -> bf16 [E, N, D]), or
+        expert ids[i] on its own rows (x bf16 [E', M, D], weights fp32 [E', M, 1] -> bf16 [E', M, D])."""
         order = NUMERICS.gemm_order
-        gate = experts_linear(x, self._stacked("w1"), order=order).float()
-        up = experts_linear(x, self._stacked("w3"), order=order).float()
+        gate = experts_linear(x, self._stacked("w1", ids), order=order).float()
+        up = experts_linear(x, self._stacked("w3", ids), order=order).float()
         limit = self.experts[0].limit
         if limit > 0:
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)
         h = weights * (F.silu(gate) * up)
-        return experts_linear(h.to(x.dtype), self._stacked("w2"), order=order)
+        return experts_linear(h.to(x.dtype), self._stacked("w2", ids), order=order)
 
 
 # ----------------------------------------------------------------------------------------- engram

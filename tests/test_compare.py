@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsneuron.compiler.compare import compare_sequence, end_to_end_verdict, stage_kind, worst_local
+from dsneuron.compiler.compare import compare_sequence, end_to_end_verdict, stage_kind, worst_local, worst_local_selection
 from dsneuron.runtime_min.session import Session
 
 
@@ -25,17 +25,24 @@ def session(micro_bundle):
 
 def test_every_compiled_stage_reproduces_the_golden_stage_on_its_input(session, micro_golden):
     """Prefill of 11 tokens + 6 decode steps: every stage the golden re-runs on the bundle's
-    recorded input and state (hc mixes, attention of every layer, MoE, head; prefill and each decode
-    step) is within the issue's 2 bf16 ulps, and the end to end drift is no worse than the floors'."""
+    recorded input and state (engram, hc mixes, attention of every layer with its quantised KV,
+    indexer scores and selections, MoE, head; prefill and each decode step) is within the issue's
+    2 bf16 ulps, quantisers and selections bit-exact, and the end to end drift is no worse than the
+    floors'."""
     ids = torch.randint(0, 128000, (17,), generator=torch.Generator().manual_seed(1)).tolist()
     rep = compare_sequence(session, micro_golden, "random", ids, 11)
     assert rep.n_steps == 7 and len(rep.steps) == 7
     kinds = {stage_kind(s) for s, per in rep.stages.items() if all("local" in step for step in per)}
-    assert {"hc_attn.comb", "hc_ffn.pre", "ffn.out", "attn.out", "final.logits"} <= kinds
+    assert {"hc_attn.comb", "hc_ffn.pre", "engram.out", "attn.out", "attn.window_kv", "compress_kv.entry",
+            "indexer.scores", "indexer.topk", "attn.idx", "ffn.out", "final.logits"} <= kinds
     n_layers = micro_golden.cfg.n_layers
     assert all("local" in step for L in range(n_layers) for step in rep.stages[f"layers.{L}.attn.out"])
     stage, ulps = worst_local(rep)
     assert ulps <= 2, (stage, ulps)
+    # the quantisers and the selections, re-run on the bundle's input and state, are bit-exact
+    assert worst_local_selection(rep) == ("", 0.0)
+    for L in range(n_layers):
+        assert all(step["local"]["max_ulp"] == 0 for step in rep.stages[f"layers.{L}.attn.window_kv"])
     v = end_to_end_verdict(rep)
     assert v["ok"], v
     # the quantized window KV of layer 0 at the prefill is computed from identical inputs: bit-exact

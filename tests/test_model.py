@@ -313,3 +313,27 @@ def test_steps_export_at_fixed_shapes_with_single_custom_op_nodes(golden, kind):
     assert n_attn == cfg.n_layers and n_index == len(cfg.index_source_layers)
     for a, b in zip(ep.module()(*inputs), mod(*inputs)):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("order", ["ascending", "fused"])
+def test_decode_moe_gathers_only_the_routed_experts(golden, order):
+    """With fewer (token, expert) pairs than experts (a decode step) the exported MoE dequantises
+    only the routed experts' packed bytes and adds them in ascending expert id: bit-identical to
+    the routed loop, from the stored bytes as from the golden's cached fp32 copies."""
+    moe = golden.model.layers[1].ffn
+    max_tokens = (moe.n_experts - 1) // moe.gate.topk
+    assert max_tokens >= 2
+    linears = [lin for ex in moe.experts for lin in (ex.w1, ex.w2, ex.w3)]
+    cached = [lin.cached for lin in linears]
+    for n in (1, max_tokens):
+        x = torch.randn(1, n, golden.cfg.dim, generator=torch.Generator().manual_seed(n)).bfloat16()
+        with M.gemm_order(order):
+            want = moe(x, routed=True)
+            assert torch.equal(moe(x, routed=False), want)
+            try:
+                for lin in linears:
+                    lin.cached = None
+                assert torch.equal(moe(x, routed=False), want)
+            finally:
+                for lin, c in zip(linears, cached):
+                    lin.cached = c
