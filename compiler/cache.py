@@ -219,11 +219,18 @@ def _arg_name(arg: Any) -> str:
 
 
 def _target(target: Any) -> str:
+    """A node target as text that is the same in every process: op names, never a repr holding a
+    memory address (a higher-order op such as while_loop is an object whose repr has one)."""
     if isinstance(target, str):
         return target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.name()}"
+    name = getattr(target, "__qualname__", None)
+    if name is None:
+        raise TypeError(f"cache key: no stable name for the graph target {target!r} ({type(target).__name__})")
+    return f"{getattr(target, '__module__', '')}.{name}"
 
 
 def _fmt(value: Any) -> str:

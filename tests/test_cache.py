@@ -77,6 +77,22 @@ def test_two_checkouts_give_the_same_key(tmp_path):
     assert cache_key(ga, {"x": 1}, tc, "cpu", "b") == cache_key(gb, {"x": 1}, tc, "cpu", "b")
 
 
+def test_a_while_loop_graph_keys_the_same_in_every_process():
+    """A higher-order op (the Sinkhorn rounds' while_loop) is keyed by its name: its repr holds a
+    memory address, which made every export of a decode step key differently."""
+    code = (
+        "import torch\n"
+        "from torch._higher_order_ops.while_loop import while_loop\n"
+        "from dsneuron.compiler.cache import normalised_graph\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, y * 2), (torch.tensor(0), x))[1]\n"
+        "print(normalised_graph(torch.export.export(M(), (torch.ones(4),), strict=False)))\n")
+    texts = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    assert "higher_order.while_loop" in texts[0] and " at 0x" not in texts[0]
+    assert texts[0] == texts[1]
+
+
 def test_key_changes_with_shape_constants_flags_toolchain_target(tmp_path):
     mod = _import_from(tmp_path / "m", "keys_tiny")
     tc = host_toolchain()
