@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from dsneuron import UserError
 from dsneuron.runtime_min.bundle import file_sha256
 
 ENV_VAR = "DSNEURON_CACHE_DIR"
@@ -43,6 +44,15 @@ def default_cache_dir() -> Path:
     """$DSNEURON_CACHE_DIR if set, else ~/.cache/dsneuron."""
     env = os.environ.get(ENV_VAR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dsneuron"
+
+
+def cache_root(cache_dir: Path | None) -> Path:
+    """The compile cache folder: `cache_dir`, or `default_cache_dir()` when None. Raises UserError
+    when that path exists and is not a folder (it is created on first use otherwise)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise UserError(f"compile cache {root} is not a folder (set --cache-dir or ${ENV_VAR} to a folder)")
+    return root
 
 
 def normalise_flags(flags: dict[str, Any] | str | list[str]) -> list[str]:

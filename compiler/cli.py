@@ -132,10 +132,11 @@ def compare_cmd(
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint the bundle was built from (default: the manifest's)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where the deterministic checkpoint lives (as for compile)"),
 ) -> None:
-    """The bundle against the eager golden model: end to end next to the floor, and stage by stage."""
+    """The bundle against the eager golden model: end to end next to the floor, and stage by stage.
+    Exits 1 when any prompt's end-to-end drift is worse than the floor (a wrong checkpoint shows here)."""
     import json
 
-    from dsneuron.compiler.compare import compare_bundle, render
+    from dsneuron.compiler.compare import compare_bundle, end_to_end_verdict, render
     from dsneuron.compiler.default_prompts import default_prompts, read_prompts
 
     if json_out is not None and not json_out.parent.is_dir():
@@ -147,6 +148,10 @@ def compare_cmd(
     render(reports, console)
     if json_out is not None:
         json_out.write_text(json.dumps({"bundle": str(bundle), "prompts": [r.to_dict() for r in reports]}, indent=1))
+    worse = [r.name for r in reports if not end_to_end_verdict(r)["ok"]]
+    if worse:
+        err_console.print(f"[bold red]worse than the floor:[/] {', '.join(worse)} (is --checkpoint the one the bundle was built from?)")
+        raise typer.Exit(1)
 
 
 @app.command("inspect")

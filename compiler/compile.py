@@ -38,7 +38,7 @@ from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleE
 from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
 from .bundle_writer import BundleWriter, check_output
-from .cache import CompileCache, cache_key, default_cache_dir, normalised_graph, pre_key
+from .cache import CompileCache, cache_key, cache_root, normalised_graph, pre_key
 from .config import CompileConfig
 from .export import CompileError, StepFactory, StepGraph, export_step
 from .lower import InlineCustomOps, finish, inline_mode
@@ -180,7 +180,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     except (TypeError, ValueError) as e:
         raise CompileError(f"host preprocessing parameters are not plain JSON data ({e})") from None
 
-    cache = CompileCache(cache_dir if cache_dir is not None else default_cache_dir())
+    cache = CompileCache(cache_root(cache_dir))
     state = _state_entries(parts.steps, plan)
     fingerprint = getattr(parts.steps, "fingerprint", None)
     fp = fingerprint() if callable(fingerprint) else None

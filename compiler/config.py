@@ -85,7 +85,9 @@ def load_config(name: str) -> tuple[ModelConfig, CompileConfig, Path]:
     """Read a config file; returns (model, compile, resolved path). Raises ConfigError."""
     path = resolve_config_path(name)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):

@@ -21,7 +21,7 @@ from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.runtime_min.schema import PROBE_PREFIX
 
 from .buckets import plan_buckets
-from .cache import default_cache_dir, source_digest
+from .cache import cache_root, source_digest
 from .config import CompileConfig
 from .export import StepGraph
 
@@ -64,7 +64,7 @@ def checkpoint_for(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir
     if compile_cfg.checkpoint is not None:
         return Path(compile_cfg.checkpoint)
     key = hashlib.sha256(json.dumps([model_cfg.to_dict(), compile_cfg.seed], sort_keys=True).encode()).hexdigest()[:16]
-    path = (cache_dir or default_cache_dir()) / "checkpoints" / key
+    path = cache_root(cache_dir) / "checkpoints" / key
     if not (path / "model.safetensors.index.json").exists():
         ckpt_io.make_checkpoint(model_cfg, path, seed=compile_cfg.seed, force=path.exists())
     return path

@@ -238,7 +238,8 @@ class ModelConfig:
         if self.engram_layer_ids:
             need(self.engram_max_ngram_size >= 2, "engram_max_ngram_size", "must be >= 2")
             need(self.engram_n_heads > 0, "engram_n_heads", "must be > 0")
-            need(self.engram_head_dim % b == 0, "engram_head_dim", f"must be a multiple of {b} (FP8 table scales)")
+            need(self.engram_head_dim > 0 and self.engram_head_dim % b == 0, "engram_head_dim",
+                 f"must be a positive multiple of {b} (FP8 table scales)")
             need(self.engram_vocab_size > 1, "engram_vocab_size", "must be > 1")
             need(0 <= self.engram_pad_id < self.vocab_size, "engram_pad_id", f"must be a token id < vocab_size={self.vocab_size}")
         if self.n_mtp_layers:

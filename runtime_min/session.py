@@ -189,6 +189,10 @@ class Session:
         """Token ids of one prompt (BOS first when the manifest says so); UserError if empty."""
         if not isinstance(prompt, str) or prompt == "":
             raise UserError(f"prompt {index} is empty; a prompt needs at least one character")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # e.g. undecodable command-line bytes, kept as surrogates
+            raise UserError(f"prompt {index} is not valid UTF-8 text (character {e.start})") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         return ([self.manifest.tokenizer.bos_token_id] if self.manifest.tokenizer.add_bos else []) + ids
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +165,19 @@ def test_pad_prompts():
         select.pad_prompts([[1] * 5], batch=1, seq_len=4, pad_id=0)
     with pytest.raises(ValueError):
         select.pad_prompts([[]], batch=1, seq_len=4, pad_id=0)
+
+
+def test_config_file_that_is_not_utf8_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match=r"bad.json: not UTF-8 text"):
+        load_config(str(bad))
+
+
+def test_engram_head_dim_zero_is_refused(tmp_path):
+    raw = json.loads((Path(load_config("micro")[2])).read_text())
+    raw["model"]["engram_head_dim"] = 0
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"engram_head_dim: must be a positive multiple of 32"):
+        load_config(str(path))

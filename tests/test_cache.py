@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 import stand_in
+from dsneuron import UserError
 from dsneuron.compiler import backend_cpu
 from dsneuron.compiler import compile as pipeline
-from dsneuron.compiler.cache import (ENV_VAR, MARKER, CompileCache, cache_key, default_cache_dir, file_sha256,
+from dsneuron.compiler.cache import (ENV_VAR, MARKER, CompileCache, cache_key, cache_root, default_cache_dir, file_sha256,
                                      normalise_flags, normalised_graph, source_digest)
 from dsneuron.runtime_min.bundle import host_toolchain
 
@@ -125,6 +126,17 @@ def test_default_cache_dir_follows_env(monkeypatch, tmp_path):
     assert default_cache_dir() == tmp_path / "c"
     monkeypatch.delenv(ENV_VAR)
     assert default_cache_dir() == Path.home() / ".cache" / "dsneuron"
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(monkeypatch, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UserError, match=rf"compile cache {afile} is not a folder"):
+        cache_root(afile)
+    monkeypatch.setenv(ENV_VAR, str(afile))
+    with pytest.raises(UserError, match="is not a folder"):
+        cache_root(None)
+    assert cache_root(tmp_path / "new") == tmp_path / "new"
 
 
 # ------------------------------------------------------------------------------------------ entries

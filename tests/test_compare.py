@@ -77,6 +77,17 @@ def test_compare_refuses_when_no_prompt_fits(micro_bundle):
     assert r.returncode == 2 and "no prompt fits this bundle" in r.stderr and "64" in r.stderr
 
 
+def test_compare_with_another_checkpoint_is_worse_than_the_floor_and_exits_1(micro_bundle, micro_cfg, tmp_path):
+    """The same config with other random weights: the verdict fails and the exit code says so."""
+    from dsneuron.graphs.checkpoint import make_checkpoint
+
+    other = make_checkpoint(micro_cfg, tmp_path / "other", seed=5)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\n")
+    r = cli("compare", str(micro_bundle.path), "--prompts", str(prompts), "--decode", "1", "--checkpoint", str(other))
+    assert r.returncode == 1 and "WORSE than the floor" in r.stdout and "is --checkpoint the one" in r.stderr, r.stderr
+
+
 def test_compare_of_a_missing_bundle_exits_2(tmp_path):
     r = cli("compare", str(tmp_path / "nope"))
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -103,6 +103,12 @@ def test_empty_prompt(session):
         session.generate(["ok", ""], max_new_tokens=1)
 
 
+def test_prompt_that_is_not_utf8_is_refused(session):
+    """Undecodable command-line bytes reach Python as lone surrogates (PEP 383)."""
+    with pytest.raises(UserError, match="prompt 0 is not valid UTF-8"):
+        session.generate(b"ab\xff".decode("utf-8", "surrogateescape"), max_new_tokens=1)
+
+
 def test_generation_that_exactly_fills_the_capacity(session, bundle):
     """7 prompt tokens + 10 new ones: the prefill holds positions 0..6 and gives the first token, 9
     decode steps feed positions 7..15, the tenth token is sampled and never fed: 16 positions, the
