@@ -310,11 +310,12 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
     folder (force replaces checkpoints only); nothing is touched then.
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise CheckpointError(f"{out}: already exists; pass --force to replace it")
+    # an unrelated file or folder is refused first, so the message never suggests --force for it
     if (out.exists() or out.is_symlink()) and not (out.is_dir() and not out.is_symlink() and (out / INDEX_NAME).is_file()):
-        raise CheckpointError(f"{out}: exists and is not a checkpoint folder (no {INDEX_NAME}); refusing to replace it, "
-                              "even with --force")
+        raise CheckpointError(f"{out}: exists and is not a checkpoint folder (no {INDEX_NAME}); refusing to replace it "
+                              "(--force replaces checkpoints only); choose another --out")
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already holds a checkpoint; pass --force to replace it")
     t0 = time.perf_counter()
     params = engram_params(cfg)
     spec = checkpoint_spec(cfg, tuple(params.num_embeddings))
