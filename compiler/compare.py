@@ -24,8 +24,8 @@ blocks) are compared as sets per row. Then the local error of every stage the go
 the golden's stage on the BUNDLE's recorded input (the compiled executable cannot be entered
 mid-graph, the golden can), compared with the bundle's output: the hyper-connection mixes, the
 attention of every layer (at a decode step on the state the bundle's step was given), the MoE, and
-the head. The re-run uses the bundle's declared GEMM order
-("fused"), so a local error is what the compiler did beyond that named deviation. A local error of
+the head. The re-run uses the bundle's declared GEMM order ("fused"), so a local error is what the
+compiler did beyond that named deviation. A local error of
 0-2 ulps with accumulated error growing along the layers is amplification, not a wrong stage; a
 stage that re-quantises inside (MoE: the SwiGLU output to FP8 before w2) can turn one bf16 step of
 an fp32 difference into a larger local error at a few elements, which the "> 2 ulp" share counts.
@@ -142,9 +142,10 @@ def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int |
     them from the golden re-run of that source layer on the bundle's input; the stages inside each
     attention (quantised window and compressed KV, indexer scores, candidate blocks, top-k, index
     list, the sparse attention result `attn.core`) are returned too, and the output projection
-    (`attn.out`) is re-run on the bundle's `attn.core`. With engram_ids (int64 [1, L, E, C], the golden's hash ids of this step's
-    tokens) the engram layers are re-run too. The mixes, the MoE (in
-    its dense form, the exported one) and the head are pure functions of their recorded inputs."""
+    (`attn.out`) is re-run on the bundle's `attn.core`. With engram_ids (int64 [1, L, E, C], the
+    golden's hash ids of this step's tokens) the engram layers are re-run too. The mixes, the MoE
+    (in its exported form: dense at prefill, routed experts gathered at decode) and the head are
+    pure functions of their recorded inputs."""
     from dsneuron.graphs.model import Capture, hc_post
     from dsneuron.graphs.steps import init_state
 
@@ -295,24 +296,15 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
     return rep
 
 
-def worst_local(rep: PromptReport) -> tuple[str, float]:
-    """(stage, max bf16 ulps) of the largest local error of a float stage over all steps ("", 0.0
-    without probes)."""
+def worst_local(rep: PromptReport, metric: str = "max_ulp") -> tuple[str, float]:
+    """(stage, value) of the largest local error over all steps: `metric` "max_ulp" (bf16 ulps of a
+    float stage) or "rows_differ" (share of rows whose selected set differs); ("", 0.0) without one."""
     worst = ("", 0.0)
     for stage, per_step in rep.stages.items():
         for entry in per_step:
-            if "max_ulp" in entry.get("local", {}) and entry["local"]["max_ulp"] > worst[1]:
-                worst = (stage, entry["local"]["max_ulp"])
-    return worst
-
-
-def worst_local_selection(rep: PromptReport) -> tuple[str, float]:
-    """(stage, share of rows whose set differs) of the worst local re-run of a selection stage."""
-    worst = ("", 0.0)
-    for stage, per_step in rep.stages.items():
-        for entry in per_step:
-            if entry.get("local", {}).get("rows_differ", 0.0) > worst[1]:
-                worst = (stage, entry["local"]["rows_differ"])
+            value = entry.get("local", {}).get(metric, 0.0)
+            if value > worst[1]:
+                worst = (stage, value)
     return worst
 
 
@@ -393,6 +385,6 @@ def render(reports: list[PromptReport], console: Any) -> None:
         console.print(st)
         stage, ulps = worst_local(rep)
         console.print(f"largest local error (golden stage on the bundle's input): {ulps:.3g} bf16 ulps at {stage or '-'} (goal: <= 2)")
-        sel_stage, rows = worst_local_selection(rep)
+        sel_stage, rows = worst_local(rep, "rows_differ")
         console.print(f"local selections (golden top-k on the bundle's input): "
                       + (f"rows differ at {sel_stage}, share {rows:.3f}" if rows else "all identical"))
