@@ -56,7 +56,8 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
-from .quant import GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear, fp4_act_quant_qdq, fp8_linear, rows_stable_linear
+from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, exact_linear, experts_linear,
+                    fp4_act_quant_qdq, fp8_linear, linear_fp32)
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -153,17 +154,19 @@ class Linear(nn.Module):
             return dequant_fp4_weight(self.weight, self.scale)
         return self.weight.float()
 
-    #: fp32 [out, in] dequantised weight kept by `Transformer.cache_dequantized` (eager golden only)
+    #: float64 [out, in] copy of the weight's values kept by `Transformer.cache_dequantized`
+    #: (eager golden only: its exact GEMMs run in float64)
     cached: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
             return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
+        w = self.cached if self.cached is not None else self.weight
         if self.kind == "bf16":
             # BF16_GEMM: exact fp32 products, fp32 sum, one bf16 rounding
-            return rows_stable_linear(x.to(torch.bfloat16).float(), self.weight.float()).to(torch.bfloat16)
-        return rows_stable_linear(x.float(), self.weight)
+            return linear_fp32(x.to(torch.bfloat16).float(), w, NUMERICS.gemm_order).to(torch.bfloat16)
+        return linear_fp32(x.float(), w, NUMERICS.gemm_order)
 
 
 class RMSNorm(nn.Module):
@@ -581,7 +584,11 @@ class Attention(nn.Module):
         # wo_a is block-diagonal over groups, hence the grouped einsum (model.py Attention.forward)
         o = o.view(B, S, cfg.o_groups, -1)
         wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o.float(), wo_a.float()).to(torch.bfloat16)  # BF16_GEMM
+        if NUMERICS.gemm_order == "fused":
+            o = torch.einsum("bsgd,grd->bsgr", o.float(), wo_a.float())
+        else:  # exact products, float64 sum (quant.exact_linear)
+            o = torch.einsum("bsgd,grd->bsgr", o.double(), wo_a.double()).float()
+        o = o.to(torch.bfloat16)  # BF16_GEMM
         return self.wo_b(o.flatten(2))
 
 
@@ -618,7 +625,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores = rows_stable_linear(x.float(), self.weight.float()) / cfg.gate_temp
+        scores = linear_fp32(x.float(), self.weight.float(), NUMERICS.gemm_order) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -771,7 +778,7 @@ class Block(nn.Module):
         cfg = self.cfg
         xf = x.flatten(2).float()
         rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
-        mixes = rows_stable_linear(xf, getattr(self, f"hc_{which}_fn")) * rsqrt
+        mixes = linear_fp32(xf, getattr(self, f"hc_{which}_fn"), NUMERICS.gemm_order) * rsqrt
         return hc_split_sinkhorn(mixes, getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"),
                                  cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
@@ -826,11 +833,12 @@ class Transformer(nn.Module):
             self.register_buffer(f"rope_sin_{int(compressed)}", sin, persistent=False)
 
     def cache_dequantized(self) -> None:
-        """Keep an fp32 copy of every FP8/FP4 weight (eager golden speed; ~4x their bytes). The
-        exported steps never call this: they dequantise in the graph from the stored bytes."""
+        """Keep a float64 copy of every linear's weight values (eager golden speed: its exact GEMMs
+        run in float64; ~8x the bytes of an FP8 weight). The exported steps never call this: they
+        dequantise in the graph from the stored bytes."""
         for mod in self.modules():
-            if isinstance(mod, Linear) and mod.kind in ("fp8", "fp4"):
-                mod.cached = mod.dequantized()
+            if isinstance(mod, Linear):
+                mod.cached = mod.dequantized().double()
 
     def inputs(self, seqlen: int, positions: torch.Tensor, valid_len: torch.Tensor | None, pos: torch.Tensor | None,
                capture: Capture | None = None) -> StepInputs:

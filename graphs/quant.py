@@ -355,72 +355,105 @@ def _fp4_byte_table(device: torch.device) -> torch.Tensor:
 #: How a block-scaled GEMM sums its K blocks (see `block_scaled_matmul`).
 GEMM_ORDERS = ("ascending", "descending", "fused")
 
+#: Working-set budget of one chunk of rows of a float64 GEMM (the golden's exact partials).
+_EXACT_CHUNK_BYTES = 256 << 20
+
 
 def _check_order(order: str, fn: str) -> None:
     if order not in GEMM_ORDERS:
         raise ValueError(f"{fn}: order must be one of {GEMM_ORDERS}, got {order!r}")
 
 
-def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
-    """Block-scaled GEMM reference: y = a @ w.T as an fp32 sum of per-K-block fp32 partial products.
+def _chunk_rows(bytes_per_row: int) -> int:
+    """Rows per chunk so that one chunk's float64 working set stays within _EXACT_CHUNK_BYTES
+    (callers loop over range(0, max(rows, 1), step), so zero rows still make one empty chunk)."""
+    return max(1, _EXACT_CHUNK_BYTES // max(bytes_per_row, 1))
 
-    a: fp32 [..., K], already dequantised (e4m3 value * its power-of-two scale). w: fp32 [N, K],
-    dequantised. Returns fp32 [..., N].
-    For each K block of `block` columns, the partial (a_blk @ w_blk.T) is an fp32 matmul. The
-    partials are added, starting from 0, in ascending block order (order "ascending", the kernel's
-    order and the golden's), or in descending order ("descending", which measures the numeric floor).
-    Order "fused" is one fp32 GEMM over the whole K whose summation order the GEMM library picks: the
-    same exact products (every operand is e4m3/e2m1 times a power of two) summed in another order,
-    i.e. a difference of the floor's kind. The compiled steps use it: one GEMM node per projection
-    instead of K/block partial products and adds, which is most of the graph. Every scale is a power
-    of two, so scaling before the per-block product is exact. This therefore equals the kernels'
-    `C += (A_k W_k^T) * a_s * w_s` accumulation, except for the summation order inside one block.
-    Memory: one batched matmul holds all partials at once, 4 * (K/block) * M * N bytes with M the
-    product of the leading dims. That is 512 MiB for M = 4096, N = 1024, K = 1024 and block 32, so
-    callers chunk long prefills over rows (rows are independent).
-    Assumes fp32 CPU matmuls run in IEEE fp32 (torch's default; no bf16/tf32 math mode).
-    Raises ValueError for non-fp32 inputs, mismatched K, K % block != 0 or an unknown order.
+
+def _sum_blocks(partials: torch.Tensor, order: str) -> torch.Tensor:
+    """fp32 partials [KB, ...] -> fp32 [...]: 0 + p_0 + p_1 + ... (ascending) or from the last
+    block down (descending), one rounding per add; an explicit loop pins the order."""
+    kb = partials.shape[0]
+    acc = partials.new_zeros(partials.shape[1:])
+    for i in (range(kb - 1, -1, -1) if order == "descending" else range(kb)):
+        acc = acc + partials[i]
+    return acc
+
+
+def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x [..., K], w [N, K]) -> fp32 [..., N], summed in float64 and rounded once to fp32.
+
+    For the golden model's plain linears, whose operands are bf16 values (held in bf16, fp32 or
+    fp64): every product is exact in fp32 (8 x 8 significant bits), so the float64 sum is exact as
+    long as the products of one row span at most 53 - 16 - log2(K) binades, and the result is the
+    correctly rounded dot product whatever order the BLAS sums in. That is what makes a row's
+    result independent of how many rows share the call, of the ISA and of the BLAS's kernel
+    choice. The one linear with an fp32 weight (the mHC `hc_*_fn`) has 32-bit products; there the
+    float64 sum can round, and only a row whose exact dot product lies within K float64 ulps of an
+    fp32 rounding boundary can come out differently (about one row in 2^26).
+    Raises ValueError for a dtype other than float32/float64.
+    """
+    if x.dtype not in (torch.float32, torch.float64) or w.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"exact_linear: x and w must be float32 or float64, got {x.dtype} and {w.dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    wd = w.double()
+    step = _chunk_rows(8 * (k + w.shape[0]))
+    parts = [torch.nn.functional.linear(rows[r:r + step].double(), wd).float() for r in range(0, max(rows.shape[0], 1), step)]
+    return (torch.cat(parts) if len(parts) != 1 else parts[0]).reshape(*lead, w.shape[0])
+
+
+def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
+    """Block-scaled GEMM reference: y = a @ w.T as an fp32 sum of per-K-block partial products.
+
+    a: fp32 [..., K], already dequantised (e4m3 value * its power-of-two scale). w: fp32 or fp64
+    [N, K], dequantised (the golden holds float64 copies). Returns fp32 [..., N].
+    Each K block's partial (a_blk @ w_blk.T) is computed in float64, where it is exact: within one
+    block the scales of a row and of a weight tile are constant, so the products are integers
+    times one power of two, below 2^36 in units of the smallest (e4m3 x e4m3), and 32 of them sum
+    below 2^41 < 2^53. So the partial is the exact block sum rounded once to fp32, the same
+    whatever order the BLAS adds in, which makes every row's result independent of the row count
+    and of the host (ISA, BLAS kernel). The partials are added, starting from 0, in ascending block
+    order ("ascending", the kernels' order and the golden's) or descending ("descending", which
+    measures the numeric floor), one fp32 rounding per add. This equals the kernels'
+    `C += (A_k W_k^T) * a_s * w_s` accumulation except for the rounding inside one block, which
+    the kernels leave to their tensor cores. Every scale is a power of two, so scaling before the
+    per-block product is exact.
+    Order "fused" is one fp32 GEMM over the whole K in the library's order (what the compiled
+    steps trace): the same exact products summed in another order, a difference of the floor's kind.
+    Memory: rows are processed in chunks whose float64 partials take at most 256 MiB.
+    Raises ValueError for a non-fp32 `a`, mismatched K, K % block != 0 or an unknown order.
     Source: reference/deepseek_v4_arch.md section 2 (fp8_gemm, fp4_gemm); DeepSeek-V4-Pro:inference/
     kernel.py `fp8_gemm_kernel` (per-block C_local, then scaled accumulation into C_local_accum).
     """
-    if a.dtype != torch.float32 or w.dtype != torch.float32:
-        raise ValueError(f"block_scaled_matmul: a and w must be float32, got {a.dtype} and {w.dtype}")
+    if a.dtype != torch.float32 or w.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"block_scaled_matmul: a must be float32 and w float32 or float64, got {a.dtype} and {w.dtype}")
     if w.dim() != 2 or a.dim() == 0 or a.shape[-1] != w.shape[1]:
         raise ValueError(
             f"block_scaled_matmul: need a [..., K] and w [N, K], got {tuple(a.shape)} and {tuple(w.shape)}"
         )
     _check_blocks(w, block, "block_scaled_matmul")
     _check_order(order, "block_scaled_matmul")
-    if order == "fused":
-        return rows_stable_linear(a, w)
     lead, (n, k) = a.shape[:-1], w.shape
-    kb = k // block
     a_rows = a.reshape(-1, k)
-    m = a_rows.shape[0]
-    a_rows = pad_rows(a_rows)
-    a_blocks = a_rows.reshape(-1, kb, block).transpose(0, 1)  # [KB, M', block]
-    w_blocks = w.reshape(n, kb, block).permute(1, 2, 0)  # [KB, block, N]
-    partials = torch.bmm(a_blocks, w_blocks)  # [KB, M, N]
-    blocks = range(kb - 1, -1, -1) if order == "descending" else range(kb)
-    # the kernel clears its accumulator and adds every block; an explicit loop pins that order
-    acc = partials.new_zeros(partials.shape[1:])
-    for i in blocks:
-        acc = acc + partials[i]
-    return acc[:m].reshape(*lead, n)
+    if order == "fused":
+        return rows_stable_linear(a_rows, w.float()).reshape(*lead, n)
+    kb = k // block
+    w_blocks = w.double().reshape(n, kb, block).permute(1, 2, 0)  # [KB, block, N]
+    step = _chunk_rows(8 * kb * n)
+    out = []
+    for r0 in range(0, max(a_rows.shape[0], 1), step):
+        a_blocks = a_rows[r0:r0 + step].double().reshape(-1, kb, block).transpose(0, 1)  # [KB, M', block]
+        out.append(_sum_blocks(torch.bmm(a_blocks, w_blocks).float(), order))
+    return (torch.cat(out) if len(out) != 1 else out[0]).reshape(*lead, n)
 
 
-#: fp32 GEMMs on this CPU (MKL) take another kernel, with another summation order, below 8 rows
+#: fp32 GEMMs on some CPUs (MKL) take another kernel, with another summation order, below 8 rows
 MIN_GEMM_ROWS = 8
 
 
 def pad_rows(x2d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] zero-padded to at least MIN_GEMM_ROWS rows.
-
-    fp32 GEMM results on CPU depend on the row count (M in 1..7, except 4, use kernels that sum in
-    another order than M >= 8), which would make a decode step (one row) round differently from a
-    prefill of the same token. Padding small GEMMs to 8 rows makes every row's result independent
-    of how many rows share the call; the caller slices the real rows back out.
-    """
+    """x [M, K] zero-padded to at least MIN_GEMM_ROWS rows (order "fused" only; see rows_stable_linear)."""
     m = x2d.shape[0]
     if m >= MIN_GEMM_ROWS:
         return x2d
@@ -428,20 +461,29 @@ def pad_rows(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def rows_stable_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """F.linear(x [..., K], w [N, K]) whose rows do not depend on how many rows share the call
-    (see pad_rows). Same dtype semantics as F.linear."""
+    """F.linear(x [..., K], w [N, K]) in fp32 with at least MIN_GEMM_ROWS rows per call: order
+    "fused", which the compiled steps trace. MKL on the host where this was measured sums rows
+    of 1..7-row calls in another order than 8 or more rows; nothing promises that elsewhere, which
+    is why the golden uses `exact_linear` and float64 block partials instead."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     return torch.nn.functional.linear(pad_rows(rows), w)[:m].reshape(*lead, w.shape[0])
 
 
+def linear_fp32(x: torch.Tensor, w: torch.Tensor, order: str = "ascending") -> torch.Tensor:
+    """The model's plain fp32 linear (x fp32 [..., K], w fp32/fp64 [N, K] -> fp32 [..., N]):
+    `exact_linear` for the golden's orders, one fp32 GEMM for "fused"."""
+    _check_order(order, "linear_fp32")
+    return rows_stable_linear(x, w.float()) if order == "fused" else exact_linear(x, w)
+
+
 def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
     """The model's `linear()` for FP8 and FP4 weights: FP8 activation QDQ, block-scaled GEMM, bf16 out.
 
-    x: [..., K] bfloat16 (float32/float16 accepted). w_deq: fp32 [N, K], the dequantised weight
-    (`dequant_fp8_weight` or `dequant_fp4_weight`). The activation becomes float(q) * s in fp32
-    through `act_quant(x, block)`, without an intermediate bf16 rounding. It then goes through
+    x: [..., K] bfloat16 (float32/float16 accepted). w_deq: fp32 or fp64 [N, K], the dequantised
+    weight (`dequant_fp8_weight` or `dequant_fp4_weight`). The activation becomes float(q) * s in
+    fp32 through `act_quant(x, block)`, without an intermediate bf16 rounding. It then goes through
     `block_scaled_matmul(..., block, order)`, and the fp32 result is cast to bf16, the
     reference's default dtype. Returns bfloat16 [..., N].
     V4.1 uses block 32 for both FP8 weights and FP4 experts, so the activation blocks and the
@@ -460,11 +502,11 @@ def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order:
     fp32 [E, N, K] -> bf16 [E, M, N].
 
     Bit-identical to `fp8_linear(x[e], w_deq[e])` per expert: the same 1x32 activation QDQ, the same
-    fp32 per-K-block partial products, accumulated over blocks in the same order. One batched GEMM
-    per K block keeps the exported graph small (a per-expert loop multiplies the node count by E);
-    order "fused" is one batched GEMM over the whole K (see `block_scaled_matmul`).
+    float64-exact per-K-block partials, accumulated over blocks in the same order. One batched GEMM
+    over (expert, K block) keeps the exported graph small (a per-expert loop multiplies the node
+    count by E); order "fused" is one batched fp32 GEMM over the whole K (see `block_scaled_matmul`).
     """
-    if w_deq.dim() != 3 or w_deq.dtype != torch.float32 or x.shape[-1] != w_deq.shape[-1]:
+    if w_deq.dim() != 3 or w_deq.dtype not in (torch.float32, torch.float64) or x.shape[-1] != w_deq.shape[-1]:
         raise ValueError(f"experts_linear: need x [..., K] and fp32 w [E, N, K], got {tuple(x.shape)} {w_deq.dtype} {tuple(w_deq.shape)}")
     e, n, k = w_deq.shape
     _check_blocks(w_deq, block, "experts_linear")
@@ -472,13 +514,18 @@ def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order:
     q, s = act_quant(x, block)
     a = _scale_blocks(q.float(), s, block)
     m = a.shape[-2]
-    a = pad_rows(a) if a.dim() == 2 else torch.cat([a, a.new_zeros(e, max(0, MIN_GEMM_ROWS - m), k)], dim=1)
     if order == "fused":
-        return torch.matmul(a, w_deq.transpose(1, 2))[:, :m].to(torch.bfloat16)
-    wt = w_deq.view(e, n, k // block, block)
-    blocks = range(k // block - 1, -1, -1) if order == "descending" else range(k // block)
-    acc = None
-    for b in blocks:
-        p = torch.matmul(a[..., b * block:(b + 1) * block], wt[:, :, b].transpose(1, 2))
-        acc = p if acc is None else acc + p
-    return acc[:, :m].to(torch.bfloat16)
+        a = pad_rows(a) if a.dim() == 2 else torch.cat([a, a.new_zeros(e, max(0, MIN_GEMM_ROWS - m), k)], dim=1)
+        return torch.matmul(a, w_deq.float().transpose(1, 2))[:, :m].to(torch.bfloat16)
+    kb = k // block
+    w_blocks = w_deq.double().view(e, n, kb, block).permute(0, 2, 3, 1)  # [E, KB, block, N]
+    step = _chunk_rows(8 * e * kb * n)
+    out = []
+    for r0 in range(0, max(m, 1), step):
+        ab = a[..., r0:r0 + step, :].double()
+        ab = ab.unflatten(-1, (kb, block)).transpose(-3, -2)  # [(E,) KB, M', block]
+        if ab.dim() == 3:
+            ab = ab.unsqueeze(0)
+        partials = torch.matmul(ab, w_blocks).float()  # [E, KB, M', N]
+        out.append(_sum_blocks(partials.transpose(0, 1), order))  # [E, M', N]
+    return (torch.cat(out, dim=1) if len(out) != 1 else out[0]).to(torch.bfloat16)

@@ -57,16 +57,22 @@ def mqa_logits_bf16_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> to
 
     Returns:
         [B, S, T] bf16, no masking (the model masks). Rounding points, as in
-        Indexer.forward: each (s, h, t) dot accumulated in fp32 and rounded to bf16; relu; times
+        Indexer.forward: each (s, h, t) dot exact, rounded to fp32 and then to bf16; relu; times
         the bf16 weight, rounded to bf16; summed over h in fp32 with one final bf16 rounding.
-        It is the model's own expression, so the two agree bitwise; it holds the same
-        [B, S, H, T] bf16 intermediate the model does.
+        The model's bf16 einsum accumulates in fp32; on FP4-QDQ'd operands that fp32 sum is
+        exact (products are multiples of 1/4 below 37 times one power of two per 32-block, so it
+        is exact while the block scales of q and k span at most 9 binades), so the two agree
+        bitwise there, and this form does not depend on the host's bf16 GEMM kernel. It holds the
+        same [B, S, H, T] bf16 intermediate the model does.
 
     Raises:
         ValueError: on a shape or dtype outside the contract.
     """
     check_mqa_logits_bf16_args(q, k, w)
-    score = torch.einsum("bshd,btd->bsht", q, k)
+    # the dot products in float64 (exact), rounded to fp32 and then bf16: what a bf16 GEMM with
+    # fp32 accumulation gives when its fp32 sum is exact, as it is on FP4-QDQ'd operands, without
+    # depending on which bf16 GEMM kernel the host's library picks
+    score = torch.einsum("bshd,btd->bsht", q.double(), k.double()).float().to(torch.bfloat16)
     return (score.relu() * w.unsqueeze(-1)).sum(dim=2)
 
 

@@ -4,6 +4,12 @@ Follows the V4.1 `sparse_attn` kernel (deepseek-ai/DeepSeek-V4.1-Flash:inference
 Attention.forward calls it; its CPU kernel is summarised in reference/deepseek_v4_arch.md section 2)
 and the FlashMLA sm90 sparse-decode pipeline it mirrors (reference/kernel_numerics.md A.3, A.8).
 
+Dot products: q . k over D and P @ V over each 64-key block are float64 GEMMs rounded once to fp32.
+Both operands are bf16 values, so every product is exact (16 significant bits) and the float64 sum
+is exact unless one row's products span more than 53 - 16 - log2(D) = 28 binades: the result is the
+correctly rounded sum whatever order the BLAS adds in, and a query's output does not depend on how
+many queries share the call or on the host (an fp32 GEMM's order does).
+
 Domain: natural exponent. `P = exp(s - m)` with `s = (q . k) * scale` already scaled, as the V4.1 CPU
 kernel writes it. The GPU kernels compute `exp2(x * scale * log2(e) - m2)` because `ex2` is the
 hardware instruction; here that would only add one more fp32 rounding (of `scale * log2(e)`) for no
@@ -96,7 +102,7 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     sink_f = sink.view(1, n_heads)
 
     if rows_per_chunk is None:
-        per_row = 4 * (topk * dim + 3 * n_heads * topk + 2 * n_heads * dim)
+        per_row = 8 * (topk * dim + 3 * n_heads * topk + 2 * n_heads * dim)
         budget = _TRACED_CHUNK_BYTES if torch.compiler.is_compiling() else _CHUNK_BYTES
         rows_per_chunk = max(1, budget // per_row)
     parts = [_attend(qf[r0:r0 + rows_per_chunk], table, flat_idx[r0:r0 + rows_per_chunk],
@@ -109,8 +115,11 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
     """One chunk: qf [R,H,D] fp32, table [B*N+1, D] bf16, flat_idx/valid [R,K] -> bf16 [R,H,D]."""
     rows, n_heads, dim = qf.shape
     topk = flat_idx.shape[1]
-    kvg = table.index_select(0, flat_idx.reshape(-1)).view(rows, topk, dim).float()  # exact upcast
-    logits = torch.bmm(qf, kvg.transpose(1, 2)) * scale
+    # float64 GEMMs: the operands are bf16 values, so every product is exact and the float64 sums
+    # are exact too (see the module docstring); fp32 bmm would sum in an order the BLAS picks, and
+    # MKL takes another entry point for one matrix than for a batch of them
+    kvg = table.index_select(0, flat_idx.reshape(-1)).view(rows, topk, dim).double()  # exact upcast
+    logits = torch.bmm(qf.double(), kvg.transpose(1, 2)).float() * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), -math.inf)
 
     m = torch.full((rows, n_heads), M_INIT, dtype=torch.float32)
@@ -123,7 +132,7 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
         p = torch.exp(s - m_new.unsqueeze(-1))  # empty slots: exp(-inf) = 0, m_new stays finite
         denom = denom * alpha + p.sum(dim=-1)
         # the kernel feeds P to the PV matmul as bf16; the denominator keeps the fp32 P
-        pv = torch.bmm(p.to(torch.bfloat16).float(), kvg[:, j0:j0 + BLOCK_KEYS])
+        pv = torch.bmm(p.to(torch.bfloat16).double(), kvg[:, j0:j0 + BLOCK_KEYS]).float()
         acc = acc * alpha.unsqueeze(-1) + pv
         m = m_new
     total = denom + torch.exp(sink - m)

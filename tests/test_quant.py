@@ -583,18 +583,20 @@ def test_block_scaled_matmul_bit_exact_when_partials_exact(seed, m, n, kb, rever
 @FAST
 @given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.integers(1, 4), st.integers(1, 5), st.sampled_from([16, 32]))
 def test_block_scaled_matmul_against_float64_oracle(seed, m, n, kb, block):
-    """General dequantised operands (e4m3 values times powers of two): ours and the oracle differ
-    only by the rounding inside a block partial, bounded by (block + KB + 2) * 2^-24 * sum |a w|."""
+    """General dequantised operands (e4m3 values times powers of two, one scale per row and block):
+    every block partial is exact in float64, so ours is the oracle bit for bit, and both stay
+    within (KB + 1) * 2^-24 * sum |a w| of the exact product."""
     rng = np.random.default_rng(seed)
     k = kb * block
     a = np.clip(rng.standard_normal((m, k)) * 50, -448, 448).astype(E4M3).astype(np.float32)
     w = np.clip(rng.standard_normal((n, k)) * 50, -448, 448).astype(E4M3).astype(np.float32)
     a *= np.repeat(np.exp2(rng.integers(-8, 9, (m, kb))), block, 1).astype(np.float32)
     w *= np.repeat(np.exp2(rng.integers(-8, 9, (n, kb))), block, 1).astype(np.float32)
-    out = block_scaled_matmul(torch.from_numpy(a), torch.from_numpy(w), block).numpy()
-    expected = block_gemm_oracle(a, w, block)
-    bound = (block + kb + 2) * 2.0**-24 * (np.abs(a).astype(np.float64) @ np.abs(w).astype(np.float64).T)
-    assert (np.abs(out.astype(np.float64) - expected) <= bound).all()
+    out = block_scaled_matmul(torch.from_numpy(a), torch.from_numpy(w), block)
+    assert_bits(out, block_gemm_oracle(a, w, block))
+    out = out.numpy()
+    bound = (kb + 1) * 2.0**-24 * (np.abs(a).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    assert (np.abs(out.astype(np.float64) - a.astype(np.float64) @ w.astype(np.float64).T) <= bound).all()
 
 
 def test_fp8_linear_hand_made():
