@@ -9,11 +9,10 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
 - Static shapes. The reference slices caches to the live length and asks top-k for
   `min(index_topk, compress_len)`; here every tensor has its bucket shape, unreachable positions are
   masked to -inf and unused index slots are -1. Trailing -1 slots are exactly neutral in the online
-  softmax. One visible difference remains: the window part of the index list is always
-  `window_size` wide (the reference uses `min(S, window_size)` in prefill), so for prompts shorter
-  than the window the compressed keys start at a later 64-key block and their P is rounded to bf16
-  against a different running max (a sub-ulp effect, named in the golden report). In exchange a
-  padded prompt runs bit for bit like the unpadded one.
+  softmax. The prefill index list keeps the reference's layout (`Attention.join_prefill_index`):
+  its window part is min(L, window_size) wide for a prompt of L tokens, whatever the bucket, so
+  the compressed keys fall in the reference's 64-key blocks and a padded prompt runs bit for bit
+  like the unpadded one.
 - One tie rule for every top-k (indexer, candidate blocks, MoE): a stable descending sort, so among
   equal scores the lower position (expert id) wins. `torch.topk` leaves the order unspecified and
   the bf16 indexer scores tie often.
@@ -26,8 +25,14 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   packed weights of each token's topk experts and dequantises only those, and adds the experts in
   ascending id order, as the routed loop does.
 - RoPE is applied with explicit real arithmetic in fp32 (no complex tensors in the graph).
-- GEMMs with fewer than 8 rows are zero-padded to 8 (`quant.pad_rows`): the CPU BLAS sums fp32
-  products in another order below 8 rows, which would make a decode step differ from a prefill.
+- Exact GEMMs. The golden's GEMMs (every order but "fused") sum exact products in float64 and
+  round once (`quant.exact_linear`, `quant.block_scaled_matmul`: each 32-K block of an FP8/FP4
+  GEMM is exact, the blocks are added in fp32 in the kernels' order), and so do the references of
+  sparse_attn and the indexer score. A row's result then depends neither on how many rows share
+  the call nor on the host's BLAS or ISA, which is what makes padded == unpadded, prefill + decode
+  == a longer prefill and batch == single hold bit for bit on every host
+  (tests/test_host_independence.py). The one GEMM with inexact products, the mHC projection
+  (fp32 weights), can differ in about one output in 2^26 (see `exact_linear`).
 - BF16_GEMM: the reference's bf16 GEMMs (wo_a's grouped einsum, the indexer's weights_proj and
   wk) run on bf16 operands with fp32 accumulation and one bf16 rounding of the result. Here that is
   written out: the operands are upcast (exact), the GEMM is fp32, the result is cast once. Eager
@@ -512,6 +517,26 @@ class Attention(nn.Module):
         return compress_kv, shared["topk_idxs"]
 
     @staticmethod
+    def join_prefill_index(widx: torch.Tensor, cidx: torch.Tensor, valid_len: torch.Tensor, window: int) -> torch.Tensor:
+        """The prefill index list laid out as the reference's (model.py get_window_topk_idxs, then
+        the compressed part): the window part min(L, W) wide, then the compressed entries, -1 at
+        the end. widx int32 [1 or B, S, W] (query i: positions max(0, i-W+1)..i, -1 past i),
+        cidx int32 [B, S, K], valid_len [B] (L) -> int32 [B, S, W + K].
+
+        The window slots at or past L hold -1 for every real query, so dropping them changes only
+        where the compressed keys start; that decides their 64-key block of the online softmax
+        (and so the running max P is rounded against), which is why it must match the reference.
+        It depends on L, not on the bucket's seq_len, so a padded prompt keeps the unpadded layout;
+        trailing -1 slots are exactly neutral."""
+        B, S, K = cidx.shape
+        width = valid_len.clamp(max=window).view(B, 1, 1)  # min(L, W)
+        pad = torch.full((B, S, window), -1, dtype=cidx.dtype, device=cidx.device)
+        full = torch.cat([widx.expand(B, S, window), cidx, pad], dim=-1)  # [B, S, 2W + K]
+        t = torch.arange(window + K, device=cidx.device)
+        src = torch.where(t < width, t, t + (window - width))  # [B, 1, W + K]
+        return full.gather(-1, src.expand(B, S, window + K).contiguous())
+
+    @staticmethod
     def _write(cache: torch.Tensor, rows: torch.Tensor, write: torch.Tensor, slot0: torch.Tensor | None) -> torch.Tensor:
         """cache [B,C,X] with rows [B,G,X] written at slots 0..G-1 (prefill, slot0 None) or at slot0[B]
         (decode, G == 1), only where write [B,G] is True."""
@@ -569,7 +594,10 @@ class Attention(nn.Module):
         if self.ratio:
             ckv, cidx = self._compressed(x, qr, ctx, keys.size(1), state, new, shared)
             keys = torch.cat([keys, ckv], dim=1)
-            idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
+            if ctx.prefill:
+                idx = self.join_prefill_index(idx, cidx, ctx.valid_len, cfg.window_size)
+            else:
+                idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
         _cap(ctx.capture, f"layers.{L}.attn.idx", idx)
         o = torch.ops.dsneuron.sparse_attn(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
         _cap(ctx.capture, f"layers.{L}.attn.core", o)

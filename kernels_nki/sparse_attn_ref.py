@@ -75,7 +75,9 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         [B, S, H, D] bf16. Per (b, s, h), over 64-key blocks of the index list in order:
         s_j = fp32(q . kv[idx_j]) * scale (-inf for an empty slot); m_new = max(m, max_j s_j) with
         m starting at -1e30; P_j = exp(s_j - m_new) in fp32; l = l*exp(m - m_new) + sum_j P_j (the
-        unrounded P); O = O*exp(m - m_new) + sum_j bf16(P_j) * kv_j in fp32. Then
+        unrounded P, the block's sum in float64 rounded once to fp32); O = O*exp(m - m_new) +
+        sum_j bf16(P_j) * kv_j (the block's sum exact in float64, rounded once to fp32). So the
+        result depends on which 64-key block each index falls in, not on its place in the block. Then
         out = bf16(O / (l + exp(sink - m))): the sink joins the denominator only. A row with no
         valid slot (l == 0) gives 0 whatever the sink.
 
@@ -130,7 +132,9 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new.unsqueeze(-1))  # empty slots: exp(-inf) = 0, m_new stays finite
-        denom = denom * alpha + p.sum(dim=-1)
+        # the block's sum of P in float64, rounded once: the same whatever position each key has
+        # in the block (the reference's prefill and decode lists place the keys differently)
+        denom = denom * alpha + p.double().sum(dim=-1).float()
         # the kernel feeds P to the PV matmul as bf16; the denominator keeps the fp32 P
         pv = torch.bmm(p.to(torch.bfloat16).double(), kvg[:, j0:j0 + BLOCK_KEYS]).float()
         acc = acc * alpha.unsqueeze(-1) + pv

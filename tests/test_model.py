@@ -267,6 +267,43 @@ def test_decode_window_index_list_is_the_ring_oldest_first(golden):
         assert idx[0, 0].tolist() == ref, p
 
 
+def _reference_window_idxs(window: int, seqlen: int) -> list[list[int]]:
+    """The official prefill window list (model.py get_window_topk_idxs at start_pos 0), written
+    out: min(seqlen, window) slots per query, query i sees positions max(0, i-W+1) .. i."""
+    rows = []
+    for i in range(seqlen):
+        first = max(0, i - window + 1)
+        rows.append([first + j if first + j <= i else -1 for j in range(min(seqlen, window))])
+    return rows
+
+
+@pytest.mark.parametrize("L,S", [(9, 9), (9, 32), (21, 21), (21, 32)])
+def test_prefill_index_list_has_the_reference_layout(golden, L, S):
+    """Every compressed layer's prefill index list is the reference's: the window part
+    min(L, W) wide, then the compressed entries of the layer's index source, -1 only at the end,
+    whatever the bucket (S > L pads the prompt)."""
+    cfg, m = golden.cfg, golden.model
+    ids = torch.cat([_tokens(L, seed=50 + L), _tokens(S - L, seed=7)], 1)
+    eng = torch.cat([golden.engram_ids(ids[:, :L]), torch.zeros(1, S - L, *golden.engram_ids(ids[:, :1]).shape[2:],
+                                                                  dtype=torch.int64)], 1)
+    cap = Capture()
+    prefill(m, ids, torch.tensor([L]), eng, cap)
+    window = _reference_window_idxs(cfg.window_size, L)
+    checked = 0
+    for layer in range(cfg.n_layers):
+        if not cfg.compress_ratios[layer]:
+            continue
+        source = max(s for s in cfg.index_source_layers if s <= layer)
+        topk = cap.tensors[f"layers.{source}.indexer.topk"][0]  # [S, K] (offset S, -1 unreachable)
+        idx = cap.tensors[f"layers.{layer}.attn.idx"][0]
+        for i in range(L):
+            want = window[i] + topk[i].tolist()
+            want += [-1] * (idx.shape[-1] - len(want))
+            assert idx[i].tolist() == want, (layer, i)
+        checked += 1
+    assert checked >= 3
+
+
 @pytest.mark.slow
 def test_tiny_logits_finite_with_a_healthy_spread(tmp_path_factory):
     """tiny at the 11-, 172- and 715-token prompt lengths (candidate filter active at 715)."""
