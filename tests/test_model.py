@@ -187,6 +187,30 @@ def test_rope_tables_yarn_ramp():
     assert math.isclose(f1[-1].item(), base1[-1].item() / 16, rel_tol=1e-3)  # slowest: / factor
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_rope_tables_are_the_reference_freqs_cis(compressed):
+    """cos/sin are the real and imaginary parts of the reference's freqs_cis, bit for bit: the
+    official precompute_freqs_cis builds torch.polar(1, pos * freq), whose cos/sin differ from
+    torch.cos/torch.sin of the same angles in the last bit on ~5% of the entries."""
+    from dsneuron.compiler.config import load_config
+
+    cfg = load_config("tiny")[0]
+    cos, sin = M.rope_tables(cfg, 1024, compressed)
+    rd = cfg.rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
+    if compressed:  # YaRN ramp of precompute_freqs_cis (original_seq_len > 0)
+        def corrected(rot: float) -> float:
+            return rd * math.log(cfg.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = max(math.floor(corrected(cfg.beta_fast)), 0), min(math.ceil(corrected(cfg.beta_slow)), rd - 1)
+        smooth = 1 - ((torch.arange(rd // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    f = torch.outer(torch.arange(1024), freqs)
+    freqs_cis = torch.polar(torch.ones_like(f), f)
+    assert torch.equal(cos, freqs_cis.real) and torch.equal(sin, freqs_cis.imag)
+
+
 def test_hc_pre_and_post_follow_fp32_then_one_bf16_rounding():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 4, 64, generator=g).bfloat16()
