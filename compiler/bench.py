@@ -2,17 +2,24 @@
 
     python -m dsneuron.compiler.bench [--config tiny] [--work DIR] [--repeats 3] [--decode 16] [--json OUT]
 
-Measures, on this host and in this order:
-1. cold compile: `compile_bundle` into an empty compile cache (the deterministic checkpoint is made
-   first and not counted); warm compile: the same again into another folder, every bucket a hit;
-2. the bundle (a child process, so compile memory does not count): load time, prefill latency of
-   the shipped prompts (11, 172, 715 tokens; median of --repeats), decode seconds per token (median
-   over --decode teacher-forced steps after the 715-token prompt), peak RSS;
-3. the eager golden model (another child process): the same prefills and decode steps, peak RSS;
-4. sizes: bundle, its weights file, the checkpoint.
-Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for size. Both
-children use torch's default thread count, printed with the figures. Absolute times on a shared
-machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
+Measures, on this host and in this order, each in a child process (so one measurement's memory and
+caches do not count in another's):
+1. compile: cold (an empty dsneuron compile cache and a fresh, empty TORCHINDUCTOR_CACHE_DIR: a
+   shared Inductor cache in the temp folder would make a "cold" compile warm), warm (the same
+   again into another folder: every bucket a cache hit), and cold for the config with every layer
+   doubled (`doubled_layers`: the same layer kinds, twice the layers), each from loading the
+   checkpoint to the written bundle; the deterministic checkpoints are made first and not counted;
+2. the bundle: load time, prefill latency of the shipped prompts (11, 172, 715 tokens; median of
+   --repeats), decode seconds per token (median over --decode teacher-forced steps after the
+   715-token prompt), peak RSS, and the host's streaming read bandwidth (a 1 GiB sum);
+3. the eager golden model: the same prefills and decode steps, peak RSS;
+4. sizes: bundle, its weights file, the checkpoint; and the decode roofline: the checkpoint-format
+   bytes one decode token must read (`decode_bytes`: the head, every layer's dense weights, the
+   routed experts a token uses and the shared one, the engram rows it looks up, one embedding row)
+   over the measured bandwidth, next to the measured time per token.
+Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for sizes. Both
+run children use torch's default thread count, printed with the figures. Absolute times on a
+shared machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -45,9 +54,68 @@ def _peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status (the benchmark needs Linux)")
 
 
+def doubled_layers(model: dict[str, Any]) -> dict[str, Any]:
+    """The model config (JSON form) with every backbone layer repeated twice: layer L becomes layers
+    2L (with L's roles: kv, index, candidate source, engram, DSpark target) and 2L+1 (a consumer of
+    2L's cache and selections). The layer kinds stay those of the original (graphs/stages.py)."""
+    n = model["n_layers"]
+    ratios = model["compress_ratios"]
+    out = dict(model)
+    out["n_layers"] = 2 * n
+    out["compress_ratios"] = [r for r in ratios[:n] for _ in range(2)] + list(ratios[n:])
+    for key in ("kv_source_layers", "index_source_layers", "engram_layer_ids", "dspark_target_layer_ids"):
+        out[key] = [2 * i for i in model[key]]
+    if model["candidate_source_layer"] >= 0:
+        out["candidate_source_layer"] = 2 * model["candidate_source_layer"]
+    return out
+
+
+def decode_bytes(checkpoint: Path, model: dict[str, Any]) -> int:
+    """Checkpoint-format bytes one decode token reads (module docstring, item 4), from the
+    safetensors headers of `checkpoint`: DSpark (mtp.*) stages are not run; of the embedding one row;
+    of an engram table the rows of its (max_ngram - 1) * n_heads hash columns; of the routed experts
+    the share n_activated / n_routed; everything else whole."""
+    from safetensors import safe_open
+
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    itemsize = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1}
+    cols = (model["engram_max_ngram_size"] - 1) * model["engram_n_heads"]
+    share = model["n_activated_experts"] / model["n_routed_experts"]
+    total = 0.0
+    for shard in sorted(set(index.values())):
+        with safe_open(str(checkpoint / shard), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith("mtp."):
+                    continue
+                sl = f.get_slice(name)
+                shape = sl.get_shape()
+                size = itemsize[sl.get_dtype()]
+                for d in shape:
+                    size *= d
+                if name == "embed.weight" or ".engram.embed." in name:
+                    size = size // shape[0] * (1 if name == "embed.weight" else cols)
+                elif ".ffn.experts." in name:
+                    size *= share
+                total += size
+    return int(total)
+
+
+def _measure_compile(args: dict) -> dict:
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
+
+    model_cfg, compile_cfg, _ = load_config(args["config"])
+    t0 = time.perf_counter()
+    parts = build_steps_for_config(model_cfg, compile_cfg, Path(args["cache"]))
+    compile_bundle(model_cfg, compile_cfg, Path(args["out"]), parts, force=True, cache_dir=Path(args["cache"]),
+                   console=Console(stderr=True))
+    return {"seconds": time.perf_counter() - t0}
+
+
 def _measure_bundle(args: dict) -> dict:
     import torch
 
+    from dsneuron.kernels_nki.cpu_bench import stream_gbs
     from dsneuron.runtime_min.session import Session
 
     t0 = time.perf_counter()
@@ -55,10 +123,12 @@ def _measure_bundle(args: dict) -> dict:
     load_s = time.perf_counter() - t0
     prefill = {}
     for ids in args["prompts"]:
+        session.teacher_forced(ids, len(ids))  # loads the executables
         prefill[len(ids)] = statistics.median(session.teacher_forced(ids, len(ids))[0].seconds for _ in range(args["repeats"]))
     steps = session.teacher_forced(args["prompts"][-1] + args["decode_ids"], len(args["prompts"][-1]))
+    rss = _peak_rss_bytes()  # before the bandwidth probe's 1 GiB
     return {"load_s": load_s, "prefill_s": prefill, "decode_s": statistics.median(s.seconds for s in steps[1:]),
-            "threads": torch.get_num_threads(), "peak_rss": _peak_rss_bytes()}
+            "threads": torch.get_num_threads(), "peak_rss": rss, "read_gbs": stream_gbs(5)}
 
 
 def _measure_eager(args: dict) -> dict:
@@ -73,42 +143,58 @@ def _measure_eager(args: dict) -> dict:
     return out
 
 
-def _child(kind: str, args: dict) -> dict:
-    """Run one measurement in a fresh interpreter; returns its JSON result."""
+_CHILDREN = {"compile": _measure_compile, "bundle": _measure_bundle, "eager": _measure_eager}
+
+
+def _child(kind: str, args: dict, env: dict[str, str] | None = None) -> dict:
+    """Run one measurement in a fresh interpreter (with `env` added); returns its JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "args.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(args))
-        subprocess.run([sys.executable, "-m", "dsneuron.compiler.bench", "--child", kind, str(req), str(res)], check=True)
+        subprocess.run([sys.executable, "-m", "dsneuron.compiler.bench", "--child", kind, str(req), str(res)], check=True,
+                       env={**os.environ, **(env or {})})
         out = json.loads(res.read_text())
-    out["prefill_s"] = {int(k): v for k, v in out["prefill_s"].items()}
+    if "prefill_s" in out:
+        out["prefill_s"] = {int(k): v for k, v in out["prefill_s"].items()}
     return out
 
 
-def run(config: str, work: Path, repeats: int, n_decode: int, console: Console, names: tuple[str, ...] = ("short", "medium", "long")) -> dict:
+def _cold_compile(config: str, work: Path, name: str) -> dict:
+    """Compile `config` into work/<name> from an empty dsneuron cache (its checkpoints kept) and a
+    fresh Inductor cache; returns the child's figures plus the cache folders used."""
+    cache = work / f"cache-{name}"
+    for sub in ("entries", "aliases"):
+        shutil.rmtree(cache / sub, ignore_errors=True)
+    inductor = work / f"inductor-{name}-{uuid.uuid4().hex[:8]}"
+    args = {"config": config, "cache": str(cache), "out": str(work / name)}
+    return {**_child("compile", args, {"TORCHINDUCTOR_CACHE_DIR": str(inductor)}), "cache": str(cache),
+            "inductor": str(inductor)}
+
+
+def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
+        names: tuple[str, ...] = ("short", "medium", "long")) -> dict:
     """The whole benchmark (module docstring); returns every figure as plain data."""
-    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.default_prompts import default_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
     from dsneuron.graphs.tokenizer import load_tokenizer
 
-    model_cfg, compile_cfg, _ = load_config(config)
+    model_cfg, compile_cfg, raw = load_config(config)
+    work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cache = work / "cache"
-    if (cache / "entries").exists():
-        shutil.rmtree(cache / "entries")  # a cold compile starts without entries; the checkpoint stays
-    if (cache / "aliases").exists():
-        shutil.rmtree(cache / "aliases")
-    parts = build_steps_for_config(model_cfg, compile_cfg, cache)
-    checkpoint = checkpoint_for(model_cfg, compile_cfg, cache)
+    doubled = work / f"{model_cfg.n_layers * 2}-layer.json"
+    doubled.write_text(json.dumps({"model": doubled_layers(model_cfg.to_dict()), "compile": compile_cfg.to_dict()}))
+    checkpoint = checkpoint_for(model_cfg, compile_cfg, work / "cache-bundle")
+    cfg2, ccfg2, _ = load_config(str(doubled))
+    checkpoint_for(cfg2, ccfg2, work / "cache-doubled")  # made before its compile is timed
 
-    t0 = time.perf_counter()
-    compile_bundle(model_cfg, compile_cfg, work / "bundle", parts, force=True, cache_dir=cache, console=console)
-    cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    compile_bundle(model_cfg, compile_cfg, work / "bundle_warm", parts, force=True, cache_dir=cache, console=console)
-    warm = time.perf_counter() - t0
-    del parts
+    console.print("compiling cold ...")
+    cold = _cold_compile(config, work, "bundle")
+    console.print("compiling warm ...")
+    warm = _child("compile", {"config": config, "cache": cold["cache"], "out": str(work / "bundle-warm")},
+                  {"TORCHINDUCTOR_CACHE_DIR": cold["inductor"]})
+    console.print(f"compiling the {cfg2.n_layers}-layer config cold ...")
+    cold2 = _cold_compile(str(doubled), work, "doubled")
 
     tok = load_tokenizer()
     prompts = [[model_cfg.bos_token_id] + tok.encode(text, add_special_tokens=False).ids for name, text in default_prompts() if name in names]
@@ -120,7 +206,9 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console, 
     compiled = _child("bundle", args)
     console.print("measuring the eager golden model ...")
     eager = _child("eager", args)
-    return {"config": config, "compile_cold_s": cold, "compile_warm_s": warm, "compiled": compiled, "eager": eager,
+    return {"config": config, "layers": model_cfg.n_layers, "layers_doubled": cfg2.n_layers,
+            "compile_cold_s": cold["seconds"], "compile_warm_s": warm["seconds"], "compile_doubled_cold_s": cold2["seconds"],
+            "compiled": compiled, "eager": eager, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
             "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": (work / "bundle" / "weights.safetensors").stat().st_size,
             "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
 
@@ -133,13 +221,18 @@ def report(r: dict, console: Console) -> None:
         t.add_column(col, justify="left" if col == "figure" else "right")
     t.add_row("compile, cold", f"{r['compile_cold_s']:.1f} s", "", "")
     t.add_row("compile, warm", f"{r['compile_warm_s']:.1f} s", "", "")
+    t.add_row(f"compile, cold, {r['layers_doubled']} layers", f"{r['compile_doubled_cold_s']:.1f} s", "",
+              f"{r['compile_doubled_cold_s'] / r['compile_cold_s']:.2f}x of {r['layers']} layers")
     t.add_row("bundle load", f"{c['load_s']:.2f} s", "", "")
     for n, s in c["prefill_s"].items():
         t.add_row(f"prefill {n} tokens", f"{s * 1e3:.0f} ms", f"{e['prefill_s'][n] * 1e3:.0f} ms", f"{e['prefill_s'][n] / s:.2f}x")
     t.add_row("decode", f"{1 / c['decode_s']:.2f} tok/s", f"{1 / e['decode_s']:.2f} tok/s", f"{e['decode_s'] / c['decode_s']:.2f}x")
+    ideal = r["decode_bytes"] / (c["read_gbs"] * 1e9)
+    t.add_row("decode roofline", f"{ideal * 1e3:.1f} ms/token", f"{r['decode_bytes'] / 1e6:.0f} MB at {c['read_gbs']:.1f} GB/s",
+              f"{ideal / c['decode_s'] * 100:.0f}% reached")
     gib = 2.0**30
     t.add_row("peak RSS", f"{c['peak_rss'] / gib:.2f} GiB", f"{e['peak_rss'] / gib:.2f} GiB",
-              f"{c['peak_rss'] / r['weights_bytes']:.2f}x weights")
+              f"{c['peak_rss'] / r['checkpoint_bytes']:.2f}x checkpoint")
     t.add_row("bundle size", f"{r['bundle_bytes'] / gib:.2f} GiB", f"checkpoint {r['checkpoint_bytes'] / gib:.2f} GiB",
               f"{r['bundle_bytes'] / r['checkpoint_bytes']:.2f}x")
     console.print(t)
@@ -148,7 +241,7 @@ def report(r: dict, console: Console) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="tiny", help="packaged config name or JSON path")
-    ap.add_argument("--work", type=Path, default=Path(".bench"), help="bundles and compile cache of the run")
+    ap.add_argument("--work", type=Path, default=Path(".bench"), help="bundles, caches and checkpoints of the run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16, help="decode steps after the longest prompt")
     ap.add_argument("--prompts", default="short,medium,long", help="which shipped prompts (comma-separated)")
@@ -157,8 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.child:
         kind, req, res = a.child
-        args = json.loads(Path(req).read_text())
-        Path(res).write_text(json.dumps(_measure_bundle(args) if kind == "bundle" else _measure_eager(args)))
+        Path(res).write_text(json.dumps(_CHILDREN[kind](json.loads(Path(req).read_text()))))
         return
     console = Console(stderr=True)
     r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")))

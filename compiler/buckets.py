@@ -40,6 +40,10 @@ class PlannedBucket:
     batch: int
     seq_len: int
     capacity: int
+    #: > 0: a prefill taking any multiple of seq_len_step in min_seq_len..seq_len tokens (a dynamic
+    #: token dimension)
+    min_seq_len: int = 0
+    seq_len_step: int = 1
 
     @property
     def length(self) -> int:
@@ -58,11 +62,22 @@ class BucketPlan:
     batch_sizes: tuple[int, ...]
     prefill_seq_lens: tuple[int, ...]
     decode_capacities: tuple[int, ...]
+    #: > 0: every prefill bucket takes the multiples of prefill_step in min_prefill..its seq_len
+    #: tokens (`with_dynamic_prefill`)
+    min_prefill: int = 0
+    prefill_step: int = 1
 
     @property
     def prefill(self) -> tuple[PlannedBucket, ...]:
-        return tuple(PlannedBucket("prefill", b, s, self.capacity_for(s))
+        return tuple(PlannedBucket("prefill", b, s, self.capacity_for(s), self.min_prefill, self.prefill_step)
                      for b in self.batch_sizes for s in self.prefill_seq_lens)
+
+    def with_dynamic_prefill(self, step: int) -> "BucketPlan":
+        """The plan of a backend whose prefill executables take a dynamic token count: one prefill
+        bucket per batch size, for every multiple of `step` from 2 * step to the largest prefill
+        length (a prompt runs at its own length rounded up to `step`: one compile instead of one
+        per length, and padding below `step` tokens instead of up to the next bucket)."""
+        return BucketPlan(self.batch_sizes, (self.prefill_seq_lens[-1],), self.decode_capacities, 2 * step, step)
 
     @property
     def decode(self) -> tuple[PlannedBucket, ...]:

@@ -204,15 +204,26 @@ class CompileCache:
 
 
     def get_alias(self, prekey: str) -> dict[str, Any] | None:
-        """The front-index record of `prekey` when its graph entry is complete, else None (a miss)."""
+        """The front-index record of `prekey` when its graph entries are complete, else None (a
+        miss). A record names one "graph_key" (its "artifact" is added) or, for a staged bucket,
+        {stage kind: graph key} in "kinds" (the "artifacts" {kind: path} are added)."""
         self._entry(prekey)  # validates the form
         try:
             record = json.loads((self.root / "aliases" / f"{prekey}.json").read_text())
         except (OSError, ValueError):
             return None
-        key = record.get("graph_key") if isinstance(record, dict) else None
-        artifact = self.get(key) if isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key) else None
-        return None if artifact is None else {**record, "artifact": artifact}
+        if not isinstance(record, dict):
+            return None
+        keys = record.get("kinds") if isinstance(record.get("kinds"), dict) else {"": record.get("graph_key")}
+        artifacts = {}
+        for kind, key in keys.items():
+            artifact = self.get(key) if isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key) else None
+            if artifact is None:
+                return None
+            artifacts[kind] = artifact
+        if "kinds" in record:
+            return {**record, "artifacts": artifacts}
+        return {**record, "artifact": artifacts[""]}
 
     def put_alias(self, prekey: str, record: dict[str, Any]) -> None:
         """Write the front-index record atomically (temporary file, then rename)."""

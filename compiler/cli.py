@@ -94,7 +94,7 @@ def compile_cmd(
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
-    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes)
+    parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes, target=target)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
                             console=console)
 

@@ -24,7 +24,8 @@ blocks) are compared as sets per row. Then the local error of every stage the go
 the golden's stage on the BUNDLE's recorded input (the compiled executable cannot be entered
 mid-graph, the golden can), compared with the bundle's output: the hyper-connection mixes, the
 attention of every layer (at a decode step on the state the bundle's step was given), the MoE, and
-the head. The re-run uses the bundle's declared GEMM order ("fused"), so a local error is what the
+the head. The re-run uses the bundle's declared GEMM order (the manifest's compiler.gemm_order:
+"kernel" on cpu, the cpu kernels themselves; "fused" on neuron), so a local error is what the
 compiler did beyond that named deviation. A local error of
 0-2 ulps with accumulated error growing along the layers is amplification, not a wrong stage; a
 stage that re-quantises inside (MoE: the SwiGLU output to FP8 before w2) can turn one bf16 step of
@@ -185,8 +186,8 @@ def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int |
                 part = ("pre", "post", "comb")[j]
                 out[f"{p}.hc_ffn.{part}"] = (probes[f"{p}.hc_ffn.{part}"], t[0])
         if f"{p}.ffn.in" in probes:
-            # dense, as the exported steps run it: in fused GEMM order the routed and the dense MoE
-            # are different GEMM calls (rows per call), a difference of the floor's kind
+            # as the exported steps run it (routed=False: grouped in kernel order, dense or gathered
+            # in fused order, whose GEMM calls hold other rows than the routed loop's)
             out[f"{p}.ffn.out"] = (probes[f"{p}.ffn.out"], layer.ffn(probes[f"{p}.ffn.in"].unsqueeze(0), routed=False)[0])
     if "final.norm" in probes:
         out["final.logits"] = (probes["final.logits"], model.head(probes["final.norm"].unsqueeze(0).float())[0])
@@ -284,8 +285,12 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
             entry = {"bundle": stage_metrics(stage, g.probes[stage], r_t, offsets),
                      "floor": stage_metrics(stage, f.capture[stage][0], r_t, (n_prompt, n_prompt) if prefill else None)}
             rep.stages.setdefault(stage, []).append(entry)
-        # the golden stage in the bundle's declared numerics: its GEMMs summed as one fp32 GEMM
-        with torch.inference_mode(), gemm_order("fused"):
+        # the golden stage in the bundle's declared numerics: its GEMM order (the cpu kernels', or
+        # one fp32 GEMM per projection on neuron)
+        order = session.manifest.compiler.get("gemm_order", "fused")
+        if order == "kernel":
+            golden.attach_kernel_weights()
+        with torch.inference_mode(), gemm_order(order):
             if prefill:
                 at = {"prefill_len": n_prompt, "engram_ids": engram_ids[:, :n_prompt]}
             else:
@@ -386,5 +391,5 @@ def render(reports: list[PromptReport], console: Any) -> None:
         stage, ulps = worst_local(rep)
         console.print(f"largest local error (golden stage on the bundle's input): {ulps:.3g} bf16 ulps at {stage or '-'} (goal: <= 2)")
         sel_stage, rows = worst_local(rep, "rows_differ")
-        console.print(f"local selections (golden top-k on the bundle's input): "
+        console.print("local selections (golden top-k on the bundle's input): "
                       + (f"rows differ at {sel_stage}, share {rows:.3f}" if rows else "all identical"))

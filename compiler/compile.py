@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,9 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleError, Manifest, StateEntry,
-                                         TensorSpec, Tokenizer, bucket_file, dtype_name)
+from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleError,
+                                         Manifest, Prepare, StateEntry, TensorSpec, Tokenizer, bucket_file,
+                                         dtype_name)
 
 from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
@@ -42,6 +44,7 @@ from .cache import CompileCache, cache_key, cache_root, normalised_graph, pre_ke
 from .config import CompileConfig
 from .export import CompileError, StepFactory, StepGraph, export_step
 from .lower import InlineCustomOps, finish, inline_mode
+from .staged import StagedCompile, default_workers
 
 __all__ = ["Backend", "CpuBackend", "ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle",
            "make_backend"]
@@ -58,6 +61,8 @@ class ModelParts:
     stored_dtypes: {weight name: dtype} to store narrower than the model holds it (a bf16 checkpoint
         tensor promoted to fp32 at load, graphs.weights.load_casts); the cast back must be exact,
         and the runtime re-applies the promotion (Manifest.load_casts).
+    prepare: load-time recipes (runtime_min/schema.py `Prepare`): their inputs are stored in the
+        bundle, their outputs (also in `weights`) are what the executables take and are not stored.
     """
 
     steps: StepFactory
@@ -65,17 +70,19 @@ class ModelParts:
     tokenizer_files: Sequence[Path]
     host_params: dict[str, Any]
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    prepare: tuple[Prepare, ...] = ()
 
 
 def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
-                           probes: bool = False) -> ModelParts:
-    """The real model's parts: the checkpoint of compile.checkpoint (or the deterministic one of
-    compile.seed, made once under the cache folder), graphs.steps modules over shared weights, the
-    tokenizer files and the engram hashing parameters (see compiler/model_steps.py). probes: every
-    step also returns its stage tensors (a probe bundle for `dsneuron compare`)."""
+                           probes: bool = False, target: str = "cpu") -> ModelParts:
+    """The real model's parts for `target`: the checkpoint of compile.checkpoint (or the
+    deterministic one of compile.seed, made once under the cache folder), graphs.steps modules over
+    shared weights (cpu: in the kernels' GEMM order, with the load-time recipes), the tokenizer
+    files and the engram hashing parameters (see compiler/model_steps.py). probes: every step also
+    returns its stage tensors (a probe bundle for `dsneuron compare`)."""
     from .model_steps import build_model_parts
 
-    return build_model_parts(model_cfg, compile_cfg, cache_dir, probes)
+    return build_model_parts(model_cfg, compile_cfg, cache_dir, probes, target)
 
 
 class Backend(Protocol):
@@ -165,7 +172,12 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     console = console or Console(stderr=True)
     check_target(target, "compile")
     plan = plan_buckets(compile_cfg, model_cfg)
+    staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
+    if staged:
+        plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
     rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, target) for pb in plan.buckets}
+    if staged:
+        rels = {pb: rel.rsplit(".", 1)[0] for pb, rel in rels.items()}  # the folder of its stage executables
     stems = {pb: Path(rel).stem for pb, rel in rels.items()}
     backend = make_backend(target, flags, list(stems.values()))
     out = Path(out)
@@ -186,6 +198,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     fp = fingerprint() if callable(fingerprint) else None
     wdigest = _weights_digest(parts.weights)
     buckets: list[Bucket] = []
+    sc: StagedCompile | None = None
     custom_ops: dict[str, str] = {}
     weight_views: dict[str, str] = {}
     facts: dict[str, dict[str, Any]] = {}
@@ -198,6 +211,13 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             key_flags, key_toolchain = backend.key_ingredients(stem)
             prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, key_flags, key_toolchain, target,
                              backend.name) if fp else None
+            if staged:
+                if sc is None:
+                    sc = StagedCompile(parts, backend, cache, (key_flags, key_toolchain, target))
+                progress.update(task, status="planning")
+                hit = sc.plan(pb, prekey, rel)
+                progress.update(task, status="cached" if hit else "waiting to compile", completed=hit)
+                continue
             record = cache.get_alias(prekey) if prekey else None
             how = "cached"
             if record is None:
@@ -226,23 +246,59 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                                   outputs=tuple(TensorSpec.from_dict(x, "outputs") for x in record["outputs"]),
                                   cache_key=record["graph_key"]))
             progress.update(task, status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
-        used = {n for b in buckets for n in b.weights}
-        writer.write_weights({n: t for n, t in stored.items() if n in used})
+        if sc is not None:
+            todo = {t.bucket for t in sc.tasks}
+            t0 = time.perf_counter()
+            workers = min(default_workers(), len(sc.tasks))
+
+            def show(done: int, total: int) -> None:
+                for pb in todo:
+                    progress.update(tasks[pb], status=f"{done} of {total} executables made, {workers} processes, "
+                                                      f"{time.perf_counter() - t0:.0f} s")
+            sc.run(workers, show)
+            compiled = sc.compiled
+            for pb in plan.buckets:
+                buckets.append(sc.bucket(pb, writer, rels[pb]))
+                custom_ops.update(sc.records[pb]["custom_ops"])
+                weight_views.update(sc.records[pb]["views"])
+                progress.update(tasks[pb], completed=1)
+        used = {n for b in buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
+        recipes = tuple(r for r in parts.prepare if set(r.outputs) & used)
+        made = {n for r in recipes for n in r.outputs}
+        keep = (used - made) | {n for r in recipes for n in (*r.weights, *r.scales)}
+        writer.write_weights({n: t for n, t in stored.items() if n in keep})
         for p in tok_files:
             writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")
         manifest = Manifest(
             target=target, toolchain=backend.toolchain,
-            compiler=backend.compiler_record(dict(sorted(custom_ops.items())), facts),
+            compiler={**backend.compiler_record(dict(sorted(custom_ops.items())), facts),
+                      **({"gemm_order": parts.steps.order} if hasattr(parts.steps, "order") else {})},
             model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
             tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
                                 bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
                                 pad_token_id=model_cfg.eos_token_id, add_bos=True),
             host_preprocessing=dict(parts.host_params), state=state, buckets=tuple(buckets), files={},
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
-            load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())))
+            load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
+            prepare=recipes)
         path = writer.commit(manifest)
-    console.print(f"bundle written to {path} ({compiled} compiled, {len(buckets) - compiled} from the cache at {cache.root})")
+    n_exe = sum(len(b.files) for b in buckets)
+    console.print(f"bundle written to {path} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
+                  f"the cache at {cache.root})")
     return path
+
+
+def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
+    """The token step of a dynamic prefill: the lcm of the compress ratios (as the static prefill
+    buckets are multiples of it) and of the candidate source's ratio times candidate_block_size,
+    so the graph has no floor division of the token count (the compressed groups and the
+    candidate blocks tile it exactly); the prefill takes at least two steps, as a dimension of
+    size 1 would specialise the export. A prompt is padded up to the next multiple, exact by the
+    model's padding invariance."""
+    ratios = [r for r in model_cfg.compress_ratios[:model_cfg.n_layers] if r]
+    if model_cfg.candidate_source_layer >= 0:
+        ratios.append(model_cfg.compress_ratios[model_cfg.candidate_source_layer] * model_cfg.candidate_block_size)
+    return max(2, math.lcm(*ratios or [1]))
 
 
 def _export(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,6 +41,21 @@ class StepGraph:
     module: nn.Module
     inputs: tuple[tuple[str, torch.Tensor], ...]
     outputs: tuple[str, ...]
+    #: dynamic dimensions: {input or weight name: {dim: symbol}}, and each symbol's (min, max,
+    #: step): the dimension takes the multiples of step in min..max; empty for a static graph
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)
+    bounds: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """One stage of a staged bucket (runtime_min/schema.py): `graph` names its inputs and outputs
+    by wiring name; stages of one `kind` in one bucket trace to the same graph and share one
+    executable (graphs/stages.py)."""
+
+    name: str
+    kind: str
+    graph: StepGraph
 
 
 class StepFactory(Protocol):
@@ -50,7 +65,9 @@ class StepFactory(Protocol):
     must be one constant value (the runtime re-creates it from the manifest's fill values).
     Optional: fingerprint() -> str, a digest that changes whenever the step graphs could (model
     source files, config); with it an unchanged bucket skips torch.export on a warm compile
-    (compiler/cache.py `pre_key`).
+    (compiler/cache.py `pre_key`). Optional: stages(kind, batch, seq_len, capacity, min_seq_len)
+    -> list[StageGraph], the bucket as a sequence of stages (used by backends that compile staged
+    buckets; min_seq_len > 0 asks for a dynamic token dimension in min_seq_len..seq_len).
     """
 
     def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph: ...
@@ -94,10 +111,13 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str) -> tuple[tuple[str, ...], list[list[str]]]:
+def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str,
+                 module_order: bool = False) -> tuple[tuple[str, ...], list[list[str]]]:
     """Match the step's parameters and buffers to `weights` by storage.
 
-    Returns (weight names in input order = the order of `weights`, attribute paths per weight).
+    Returns (weight names in input order, attribute paths per weight). The order is that of
+    `weights`, or with `module_order` that of the module's parameters and buffers, so that two
+    modules of the same structure (the stages of one kind) bind their weights in the same order.
     Raises CompileError naming the first parameter that is not one of the weights.
     """
     by_storage = {_storage_key(t): name for name, t in weights.items()}
@@ -112,7 +132,7 @@ def bind_weights(step: nn.Module, weights: dict[str, torch.Tensor], what: str) -
         name = by_storage.get(_storage_key(b))
         if name is not None:
             paths.setdefault(name, []).append(path)
-    order = tuple(n for n in weights if n in paths)
+    order = tuple(paths) if module_order else tuple(n for n in weights if n in paths)
     return order, [paths[n] for n in order]
 
 
@@ -130,9 +150,15 @@ def quiet_treespec_warning():
         yield
 
 
+def _hint(d: int | torch.SymInt) -> int:
+    """A dimension's example value without a guard: int() of a symbolic size would pin the
+    program's shape environment to it, and the backend then compiles a static graph."""
+    return d if isinstance(d, int) else int(d.node.hint)
+
+
 def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
                 input_views: dict[torch.dtype, torch.dtype] | None = None,
-                mode: TorchFunctionMode | None = None) -> ExportedStep:
+                mode: TorchFunctionMode | None = None, module_order: bool = False) -> ExportedStep:
     """Export `graph.module` at the static shapes of `graph.inputs` (non-strict torch.export).
 
     what: a label for messages, e.g. "prefill b1 s128".
@@ -143,19 +169,32 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     Raises CompileError when a parameter is not a weight or the outputs do not match `graph.outputs`.
     """
     input_views = input_views or {}
-    names, groups = bind_weights(graph.module, weights, what)
+    names, groups = bind_weights(graph.module, weights, what, module_order)
     originals = [weights[n].dtype for n in names]
     dtypes = [d if d in input_views else None for d in originals]
     wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
-    args = tuple(weights[n].view(input_views[d]) if d in input_views else weights[n] for n, d in zip(names, originals))
+    # a weight with a dynamic dimension is passed as a fresh tensor of its shape: the very tensor the
+    # module holds would tie the symbolic size to its static one (export guards storage sizes)
+    args = tuple((torch.empty_like(weights[n]) if n in graph.dynamic else weights[n]) for n in names)
+    args = tuple(a.view(input_views[d]) if d in input_views else a for a, d in zip(args, originals))
     args += tuple(t for _, t in graph.inputs)
+    # a stepped dimension is step * (a dimension of its own): floor divisions by a compress ratio
+    # then vanish, which torch.export's constraint solver could not prove things about
+    dims = {sym: (torch.export.Dim(sym, min=lo, max=hi) if step == 1 else
+                  step * torch.export.Dim(f"{sym}_over_{step}", min=lo // step, max=hi // step))
+            for sym, (lo, hi, step) in graph.bounds.items()}
+    named = list(names) + [n for n, _ in graph.inputs]
+    dynamic_shapes = None
+    if graph.dynamic:
+        dynamic_shapes = (tuple({d: dims[sym] for d, sym in graph.dynamic[n].items()} if n in graph.dynamic else None
+                                for n in named),)
     with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning():
-        program = torch.export.export(wrapper, args, strict=False)
+        program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]
     if len(vals) != len(graph.outputs):
         raise CompileError(f"{what}: the step returns {len(vals)} tensors but names {len(graph.outputs)} outputs")
     inputs = tuple(TensorSpec(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in graph.inputs)
-    outputs = tuple(TensorSpec(n, tuple(int(d) for d in v.shape), dtype_name(v.dtype)) for n, v in zip(graph.outputs, vals))
+    outputs = tuple(TensorSpec(n, tuple(_hint(d) for d in v.shape), dtype_name(v.dtype)) for n, v in zip(graph.outputs, vals))
     views = {n: input_views[d] for n, d in zip(names, originals) if d in input_views}
     return ExportedStep(program, names, inputs, outputs, views)

@@ -13,17 +13,19 @@ import torch
 import dsneuron.graphs
 import dsneuron.kernels_nki
 from dsneuron.graphs import checkpoint as ckpt_io
-from dsneuron.graphs import steps
+from dsneuron.graphs import stages, steps
 from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.engram import engram_layout, engram_params
+from dsneuron.graphs.kernel_weights import attach_kernel_weights, kernel_recipes
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
-from dsneuron.runtime_min.schema import PROBE_PREFIX
+from dsneuron.runtime_min.bundle import prepare_tensors
+from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
 from .config import CompileConfig
-from .export import StepGraph
+from .export import CompileError, StageGraph, StepGraph
 
 
 class GraphsStepFactory:
@@ -31,15 +33,15 @@ class GraphsStepFactory:
     probes: every step also returns its captured stage tensors as outputs "probe.<stage>" (a probe
     bundle, for `dsneuron compare`; larger executables and outputs, same logits and state)."""
 
-    def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False):
-        self.cfg, self.models, self.probes = cfg, models, probes
+    def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused"):
+        self.cfg, self.models, self.probes, self.order = cfg, models, probes, order
 
     def fingerprint(self) -> str:
         """Changes whenever the model code, the kernels or the model config change."""
         # the NKI kernels (*_nki.py) and their stand-in (sim/) never enter a cpu graph
         src = source_digest(Path(dsneuron.graphs.__file__).parent, Path(dsneuron.kernels_nki.__file__).parent,
                             exclude=lambda rel: rel.name.endswith("_nki.py") or len(rel.parts) > 1)
-        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes], sort_keys=True)).encode()).hexdigest()
+        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order], sort_keys=True)).encode()).hexdigest()
 
     def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return steps.init_state(self.cfg, batch, capacity)
@@ -57,6 +59,43 @@ class GraphsStepFactory:
     def _outputs(m: steps.PrefillStep | steps.DecodeStep) -> tuple[str, ...]:
         return ("logits", *m.state_names, *(PROBE_PREFIX + n for n in m.probe_names()))
 
+    def stages(self, kind: str, batch: int, seq_len: int, capacity: int, min_seq_len: int = 0,
+               seq_len_step: int = 1) -> list[StageGraph]:
+        """The bucket as graphs.stages stages, with example inputs at (batch, seq_len) and, when
+        min_seq_len > 0 (prefill), the token dimension dynamic: the multiples of seq_len_step in
+        min_seq_len..seq_len. The engram tables' row dimension is dynamic too, so both engram
+        layers share one executable."""
+        model = self.models[capacity]
+        built = stages.build_stages(model, kind, batch, capacity, order=self.order)
+        if self.probes:
+            stages.with_probes(built)
+        S = seq_len if kind == "prefill" else 1
+        E, C = steps.n_engram_cols(self.cfg)
+        data = {"tokens": torch.zeros(batch, S, dtype=torch.int64), "valid_len": torch.full((batch,), S, dtype=torch.int64),
+                "pos": torch.zeros(batch, dtype=torch.int64),
+                **stages.split_engram_ids(torch.zeros(batch, S, E, C, dtype=torch.int64)),
+                **(steps.init_state(self.cfg, batch, capacity) if kind == "decode" else {})}
+        fakes = stages.trace_stages(built, data)
+        dynamic_tables = {n: {0: "engram_rows"} for n, _ in model.named_parameters() if ".engram.embed." in n}
+        out = []
+        for st in built:
+            examples = tuple((n, torch.zeros([int(d) for d in fakes[n].shape], dtype=fakes[n].dtype)) for n in st.inputs)
+            dynamic = {**dynamic_tables}
+            bounds = {"engram_rows": (2, 2**62, 1)} if dynamic_tables else {}
+            if min_seq_len:
+                bounds["S"] = (min_seq_len, seq_len, seq_len_step)
+                for n in st.inputs:
+                    if n in ("tokens", "h", "pre_mix") or n.startswith("engram_ids.") or n.endswith(".topk_idxs"):
+                        dynamic[n] = {1: "S"}
+                    elif n.endswith(".candidates"):
+                        layer = int(n.split(".")[1])
+                        if self.cfg.compress_ratios[layer] != 1:
+                            raise CompileError(f"{st.name}: a dynamic prefill needs the candidate source {layer} at "
+                                               f"compress ratio 1 (its candidates are [B, S, S // ratio])")
+                        dynamic[n] = {1: "S", 2: "S"}
+            out.append(StageGraph(st.name, st.kind, StepGraph(st.module, examples, st.outputs, dynamic, bounds)))
+        return out
+
 
 def checkpoint_for(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None) -> Path:
     """compile.checkpoint, or the deterministic random checkpoint of compile.seed, made once and
@@ -71,8 +110,11 @@ def checkpoint_for(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir
 
 
 def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
-                      probes: bool = False):
-    """ModelParts for `compile_bundle` (probes: see GraphsStepFactory). Raises CheckpointError /
+                      probes: bool = False, target: str = "cpu"):
+    """ModelParts for `compile_bundle` (probes: see GraphsStepFactory). For the cpu target the
+    models run in GEMM order "kernel": every GEMM weight is prepared into the cpu kernels' layout
+    (graphs/kernel_weights.py), the executables take the prepared tensors, and the bundle stores
+    the checkpoint tensors with the recipes (ModelParts.prepare). Raises CheckpointError /
     ConfigError on bad input."""
     from .compile import ModelParts
 
@@ -86,7 +128,16 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     held = {n: (t.to(casts[n]) if n in casts else t) for n, t in weights.items()}
     models = {c: build_model(model_cfg, held, rows, c) for c in capacities}
     first = models[capacities[0]]
+    recipes: list[Prepare] = []
+    if target == "cpu":
+        recipes = kernel_recipes(first, weights)
+        prepared = {n: t for r in recipes for n, t in prepare_tensors(r, weights).items()}
+        for m in models.values():
+            attach_kernel_weights(m, prepared, recipes, drop=True)
+    taken = {n: p.detach() for n, p in first.named_parameters()}
+    taken.update({n: b for n, b in first.named_buffers() if n.endswith(("kernel_w", "kernel_w_scale"))})
+    stored = {n: held[n] for r in recipes for n in (*r.weights, *r.scales)}
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
-    return ModelParts(GraphsStepFactory(model_cfg, models, probes), {n: p.detach() for n, p in first.named_parameters()},
+    return ModelParts(GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused"), {**taken, **stored},
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
-                      stored_dtypes={n: weights[n].dtype for n in casts})
+                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes))

@@ -41,10 +41,31 @@ class Golden:
     def __init__(self, cfg: ModelConfig, checkpoint: Path, max_seq_len: int, tokenizer: str | Path | None = None):
         self.cfg, self.max_seq_len = cfg, max_seq_len
         rows = engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ()
-        self.model: Transformer = build_model(cfg, model_weights(load_checkpoint(Path(checkpoint), cfg, rows), cfg), rows, max_seq_len)
+        stored = model_weights(load_checkpoint(Path(checkpoint), cfg, rows), cfg)
+        #: the checkpoint dtype of every weight (the model holds a few bf16 ones as fp32)
+        self.stored_dtypes = {n: t.dtype for n, t in stored.items()}
+        self.model: Transformer = build_model(cfg, stored, rows, max_seq_len)
+        del stored
         self.model.cache_dequantized()
+        self._kernel_weights = False
         self.engram = engram_params(cfg, tokenizer) if cfg.engram_layer_ids else None
         self.hasher = NgramHasher(self.engram.to_dict()) if self.engram else None
+
+    def attach_kernel_weights(self) -> None:
+        """Make GEMM order "kernel" (the cpu target's executables) runnable on the golden model:
+        attach the cpu kernels' prepared weights (graphs/kernel_weights.py), made from the
+        checkpoint-format values. Idempotent; builds the kernels on first use."""
+        if self._kernel_weights:
+            return
+        from dsneuron.runtime_min.bundle import prepare_tensors
+
+        from .kernel_weights import attach_kernel_weights, kernel_recipes
+
+        params = dict(self.model.named_parameters())
+        stored = {n: params[n].detach().to(self.stored_dtypes[n]) for n in params if n in self.stored_dtypes}
+        recipes = kernel_recipes(self.model, stored)
+        attach_kernel_weights(self.model, {n: t for r in recipes for n, t in prepare_tensors(r, stored).items()})
+        self._kernel_weights = True
 
     def engram_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 [B,L] (whole sequences from position 0) -> hash ids int64 [B,L,E,C]."""

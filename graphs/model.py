@@ -70,17 +70,21 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
-from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, exact_linear, experts_linear,
-                    fp4_act_quant_qdq, fp8_linear, linear_fp32)
+from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear,
+                    fp4_act_quant_qdq, fp8_activation, fp8_linear, linear_fp32)
 
 
 # ----------------------------------------------------------------------------------------- options
 class _Numerics:
     """Process-wide numeric switch read while a step runs or is traced (plain Python, never a graph input).
 
-    gemm_order: how every block-scaled GEMM sums its K blocks (`graphs.quant.GEMM_ORDERS`):
-    "ascending" is the kernels' order and the eager golden's; "descending" is the golden's numeric
-    floor (issue 6); "fused" (one fp32 GEMM over the whole K) is what the exported steps trace.
+    gemm_order: how every GEMM sums (`ORDERS`): "ascending" is the kernels' order and the eager
+    golden's (exact products, float64-exact 32-K block partials added in ascending order);
+    "descending" is the golden's numeric floor (issue 6); "fused" (one fp32 GEMM over the whole K)
+    is what the neuron steps trace; "kernel" runs every GEMM through the cpu kernels
+    (kernels_nki/cpu_gemm.py: fp32 32-K block partials in k order, ascending blocks) on the weights
+    attached by graphs.kernel_weights, which is what the cpu target's stages trace and what the
+    golden re-runs a compiled cpu stage with.
     """
 
     gemm_order: str = "ascending"
@@ -91,13 +95,16 @@ class _Numerics:
 
 NUMERICS = _Numerics()
 
+#: every GEMM order (`_Numerics.gemm_order`): the block-scaled GEMM orders plus the cpu kernels'
+ORDERS = GEMM_ORDERS + ("kernel",)
+
 
 @contextmanager
 def gemm_order(order: str):
     """Run (or trace) the model with every block-scaled GEMM summing its K blocks in `order`.
-    Raises ValueError for an order not in GEMM_ORDERS."""
-    if order not in GEMM_ORDERS:
-        raise ValueError(f"gemm_order: order must be one of {GEMM_ORDERS}, got {order!r}")
+    Raises ValueError for an order not in ORDERS."""
+    if order not in ORDERS:
+        raise ValueError(f"gemm_order: order must be one of {ORDERS}, got {order!r}")
     prev = NUMERICS.gemm_order
     NUMERICS.gemm_order = order
     try:
@@ -134,6 +141,42 @@ class Capture:
 def _cap(cap: Capture | None, name: str, t: torch.Tensor | None) -> None:
     if cap is not None:
         cap(name, t)
+
+
+# ----------------------------------------------------------------------------------------- cpu kernels
+def leading(cache: torch.Tensor, n: int) -> torch.Tensor:
+    """cache [B,C,...] -> its first n slots [B,n,...]. An index_select rather than a slice: for B > 1
+    the slice of a longer cache is strided, and a later op's contiguity check would specialise a
+    dynamic token count n to C."""
+    if isinstance(n, int) and n == cache.size(1):  # (comparing a symbolic n would specialise it)
+        return cache
+    return cache.index_select(1, torch.arange(n, device=cache.device))
+
+
+def kernel_gemm(a: torch.Tensor, owner: nn.Module, prefix: str, fmt: str, n: int) -> torch.Tensor:
+    """a fp32 [..., K] @ W.T -> fp32 [..., n] through the cpu kernel (GEMM order "kernel"), W the
+    prepared weight `owner` holds as buffers <prefix>kernel_w / <prefix>kernel_w_scale."""
+    from dsneuron.kernels_nki import cpu_gemm  # builds the kernels on first use
+
+    lead = a.shape[:-1]
+    w, ws = getattr(owner, f"{prefix}kernel_w"), getattr(owner, f"{prefix}kernel_w_scale")
+    return cpu_gemm.gemm(a.reshape(-1, a.shape[-1]), {"w": w, "w_scale": ws}, fmt, n).reshape(*lead, n)
+
+
+def kernel_gemm_segments(a: torch.Tensor, offsets: torch.Tensor, owner: nn.Module, prefix: str, fmt: str,
+                         n: int) -> torch.Tensor:
+    """Grouped `kernel_gemm`: rows offsets[e]..offsets[e+1]-1 of a fp32 [R, K] against the e-th of
+    the stacked prepared weights <prefix>kernel_w / _scale of `owner` -> fp32 [R, n]."""
+    from dsneuron.kernels_nki import cpu_gemm
+
+    w, ws = getattr(owner, f"{prefix}kernel_w"), getattr(owner, f"{prefix}kernel_w_scale")
+    return cpu_gemm.gemm_segments(a, offsets, {"w": w, "w_scale": ws}, fmt, n)
+
+
+def _plain_fmt(owner: nn.Module, prefix: str) -> str:
+    """The kernel format of a prepared plain weight: bf16 or fp32 panels (a bf16 checkpoint weight
+    the model holds as fp32 is prepared from its bf16 bytes)."""
+    return "bf16" if getattr(owner, f"{prefix}kernel_w").dtype == torch.bfloat16 else "fp32"
 
 
 # ----------------------------------------------------------------------------------------- modules
@@ -173,6 +216,8 @@ class Linear(nn.Module):
     cached: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if NUMERICS.gemm_order == "kernel":
+            return self.kernel_forward(x)
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
             return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
@@ -181,6 +226,17 @@ class Linear(nn.Module):
             # BF16_GEMM: exact fp32 products, fp32 sum, one bf16 rounding
             return linear_fp32(x.to(torch.bfloat16).float(), w, NUMERICS.gemm_order).to(torch.bfloat16)
         return linear_fp32(x.float(), w, NUMERICS.gemm_order)
+
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward through the cpu kernel on the prepared weight: the same activation (FP8 QDQ,
+        bf16 or fp32 values) and output dtype as the other orders."""
+        if self.kind in ("fp8", "fp4"):
+            y = kernel_gemm(fp8_activation(x, self.block), self, "", self.kind, self.out_features)
+        else:
+            a = x.to(torch.bfloat16).float() if self.kind == "bf16" else x.float()
+            y = kernel_gemm(a, self, "", _plain_fmt(self, ""), self.out_features)
+        return y if self.kind == "fp32" else y.to(torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -329,6 +385,15 @@ class StepInputs:
         return self.pos is None
 
 
+def step_inputs(owner: nn.Module, seqlen: int, positions: torch.Tensor, valid_len: torch.Tensor | None,
+                pos: torch.Tensor | None, capture: Capture | None = None) -> StepInputs:
+    """The per-call context for tokens at int64 positions [B,S], with the RoPE tables held by
+    `owner` as buffers rope_cos_0/1, rope_sin_0/1 (the Transformer, or a stage module)."""
+    tables = {c: (getattr(owner, f"rope_cos_{int(c)}"), getattr(owner, f"rope_sin_{int(c)}")) for c in (False, True)}
+    rope = {c: (cos[positions], sin[positions]) for c, (cos, sin) in tables.items()}
+    return StepInputs(seqlen, valid_len, pos, rope, tables, capture)
+
+
 # ----------------------------------------------------------------------------------------- attention
 class Compressor(nn.Module):
     """KV compression of a kv-source layer (model.py Compressor): ratio r > 1 pools r consecutive
@@ -427,15 +492,17 @@ def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, t
     score survive (ties: lower block first).
     """
     T = scores.size(-1)
-    padded = F.pad(scores.float(), (0, -T % block_size), value=-math.inf)
-    block = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
-    n_blocks = block.size(-1)
+    n_blocks = (T + block_size - 1) // block_size  # explicit, not unflatten(-1, ...): T may be symbolic
+    padded = F.pad(scores.float(), (0, n_blocks * block_size - T), value=-math.inf)
+    block = padded.unflatten(-1, (n_blocks, block_size)).amax(dim=-1)
     last = (compress_lens - 1).div(block_size, rounding_mode="floor")
     block = block.masked_fill(torch.arange(n_blocks, device=scores.device) == last, math.inf)
-    k = min(topk_blocks, n_blocks)
-    top = stable_topk_indices(block, k)
+    # -inf columns up to topk_blocks, so that the top-k width never depends on T (a graph with a
+    # dynamic token count has no branch on it); a -inf pick is dropped, as an unreachable block is
+    block = F.pad(block, (0, topk_blocks), value=-math.inf)
+    top = stable_topk_indices(block, topk_blocks)
     keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, top, block.gather(-1, top) > -math.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :T]
+    return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :T]
 
 
 class Attention(nn.Module):
@@ -526,7 +593,7 @@ class Attention(nn.Module):
             new[ckv_name] = self._write(state[ckv_name], latent, write, slot0)
             shared["compress_kv"] = new[ckv_name]
         T = S // r if ctx.prefill else shared["compress_kv"].size(1)
-        compress_kv = shared["compress_kv"][:, :T]
+        compress_kv = leading(shared["compress_kv"], T)
         if self.is_index_source:
             idx = self._select(x, qr, ctx, T, offset, shared)
             shared["topk_idxs"] = idx
@@ -559,8 +626,10 @@ class Attention(nn.Module):
         B, C, X = cache.shape
         if slot0 is None:
             G = rows.size(1)
-            fresh = torch.where(write.unsqueeze(-1), rows, cache[:, :G])
-            return torch.cat([fresh, cache[:, G:]], dim=1)
+            fresh = torch.where(write.unsqueeze(-1), rows, leading(cache, G))
+            # index_copy, not a cat with cache[:, G:]: that slice is empty when the prompt fills the
+            # cache, and a graph with a dynamic token count must not depend on it being empty
+            return cache.index_copy(1, torch.arange(G, device=cache.device), fresh)
         hit = (torch.arange(C, device=cache.device) == slot0.unsqueeze(1)) & write  # [B,C]
         return torch.where(hit.unsqueeze(-1), rows, cache)
 
@@ -569,7 +638,7 @@ class Attention(nn.Module):
         cfg, r, L = self.cfg, self.ratio, self.layer_id
         cap = ctx.capture
         cos, sin = ctx.rope[True]
-        index_k = shared["index_k"][:, :T]
+        index_k = leading(shared["index_k"], T)
         scores = self.indexer.scores(x, qr, index_k, cos, sin)  # bf16 [B,S,T]
         _cap(cap, f"layers.{L}.indexer.scores", scores)
         t = torch.arange(T, device=x.device)
@@ -583,11 +652,11 @@ class Attention(nn.Module):
             _cap(cap, f"layers.{L}.indexer.candidates", shared["candidates"])
         elif self.indexer.uses_candidates:
             scores = scores.masked_fill(~shared["candidates"], -math.inf)
-        k = min(cfg.index_topk, T)
-        idx = stable_topk_indices(scores, k).sort(dim=-1).values
+        # -inf columns up to index_topk keep the top-k width static (as in select_candidate_blocks):
+        # a pick at or past compress_len (unreachable, or padding) becomes -1
+        scores = F.pad(scores, (0, cfg.index_topk), value=-math.inf)
+        idx = stable_topk_indices(scores, cfg.index_topk).sort(dim=-1).values
         idx = torch.where(idx < compress_lens, idx + offset, -1)
-        if k < cfg.index_topk:
-            idx = F.pad(idx, (0, cfg.index_topk - k), value=-1)
         _cap(cap, f"layers.{L}.indexer.topk", idx)
         return idx.to(torch.int32)
 
@@ -615,7 +684,11 @@ class Attention(nn.Module):
             else:
                 idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
         _cap(ctx.capture, f"layers.{L}.attn.idx", idx)
-        o = torch.ops.dsneuron.sparse_attn(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
+        if NUMERICS.gemm_order == "kernel":  # the cpu kernel: fixed fp32 order, its own exp (kernels_nki/cpu_attn.py)
+            from dsneuron.kernels_nki import cpu_attn  # builds the kernels on first use
+            o = cpu_attn.sparse_attn_cpu(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
+        else:
+            o = torch.ops.dsneuron.sparse_attn(q, keys, self.attn_sink, idx.contiguous(), hd ** -0.5)
         _cap(ctx.capture, f"layers.{L}.attn.core", o)
         return self.output(o, cos, sin)
 
@@ -627,10 +700,17 @@ class Attention(nn.Module):
         o = with_rope_tail(o, cfg.rope_head_dim, cos, sin, inverse=True)
         # wo_a is block-diagonal over groups, hence the grouped einsum (model.py Attention.forward)
         o = o.view(B, S, cfg.o_groups, -1)
-        wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
-        if NUMERICS.gemm_order == "fused":
+        if NUMERICS.gemm_order == "kernel":  # one grouped GEMM: the rows of group g against wo_a's block g
+            G, rows = cfg.o_groups, B * S
+            a = o.permute(2, 0, 1, 3).reshape(G * rows, -1).float()
+            offsets = torch.arange(G + 1, device=o.device) * rows
+            o = kernel_gemm_segments(a, offsets, self, "wo_a_", "bf16", cfg.o_lora_rank)
+            o = o.view(G, B, S, -1).permute(1, 2, 0, 3)
+        elif NUMERICS.gemm_order == "fused":
+            wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
             o = torch.einsum("bsgd,grd->bsgr", o.float(), wo_a.float())
         else:  # exact products, float64 sum (quant.exact_linear)
+            wo_a = self.wo_a.weight.view(cfg.o_groups, cfg.o_lora_rank, -1)
             o = torch.einsum("bsgd,grd->bsgr", o.double(), wo_a.double()).float()
         o = o.to(torch.bfloat16)  # BF16_GEMM
         return self.wo_b(o.flatten(2))
@@ -669,7 +749,10 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        scores = linear_fp32(x.float(), self.weight.float(), NUMERICS.gemm_order) / cfg.gate_temp
+        if NUMERICS.gemm_order == "kernel":
+            scores = kernel_gemm(x.float(), self, "", "bf16", self.bias.shape[0]) / cfg.gate_temp
+        else:
+            scores = linear_fp32(x.float(), self.weight.float(), NUMERICS.gemm_order) / cfg.gate_temp
         if cfg.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
@@ -706,7 +789,9 @@ class MoE(nn.Module):
         _cap(capture, f"{prefix}.gate.indices", indices.view(*shape[:-1], -1))
         _cap(capture, f"{prefix}.gate.weights", weights.view(*shape[:-1], -1))
         y = torch.zeros_like(x, dtype=torch.float32)
-        if routed:
+        if NUMERICS.gemm_order == "kernel" and not routed:
+            y = self._kernel_experts(x, weights, indices)
+        elif routed:
             for e in range(self.n_experts):
                 rows, slot = torch.where(indices == e)
                 if rows.numel():
@@ -726,6 +811,33 @@ class MoE(nn.Module):
                 y = y + out[e]
         y = y + self.shared_experts(x)
         return y.to(x.dtype).view(shape)
+
+    def _kernel_experts(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The routed experts through the cpu kernels' grouped GEMM: every (token, expert) pair is a
+        row, the rows sorted by expert, one GEMM call per projection; each token's expert outputs
+        are then added in ascending expert id, as the routed loop adds them. x bf16 [N, D],
+        weights fp32 [N, k], indices int64 [N, k] -> fp32 [N, D] (before the shared expert)."""
+        N, k = indices.shape
+        ids, perm = indices.sort(dim=-1)  # each token's experts in ascending id
+        w = weights.gather(1, perm).reshape(-1)
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # [N*k] pairs grouped by expert
+        offsets = torch.searchsorted(flat[order], torch.arange(self.n_experts + 1, device=x.device))
+        a = fp8_activation(x, 32)[order // k]  # each row's token, QDQ'd as its expert's linear does
+        ex = self.experts[0]
+        gate = kernel_gemm_segments(a, offsets, self, "experts_w1_", "fp4", ex.w1.out_features).to(x.dtype).float()
+        up = kernel_gemm_segments(a, offsets, self, "experts_w3_", "fp4", ex.w3.out_features).to(x.dtype).float()
+        if ex.limit > 0:
+            up = up.clamp(-ex.limit, ex.limit)
+            gate = gate.clamp(max=ex.limit)
+        h = w[order].unsqueeze(-1) * (F.silu(gate) * up)
+        out = kernel_gemm_segments(fp8_activation(h.to(x.dtype), 32), offsets, self, "experts_w2_", "fp4",
+                                   ex.w2.out_features).to(x.dtype)
+        out = torch.empty_like(out).index_copy(0, order, out).view(N, k, -1)  # back to (token, its j-th expert)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for j in range(k):
+            y = y + out[:, j]
+        return y
 
     def _stacked(self, which: str, ids: torch.Tensor | None) -> torch.Tensor:
         """fp32 [E', out, in]: the `which` (w1/w2/w3) projection of every routed expert (ids None,
@@ -822,7 +934,10 @@ class Block(nn.Module):
         cfg = self.cfg
         xf = x.flatten(2).float()
         rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
-        mixes = linear_fp32(xf, getattr(self, f"hc_{which}_fn"), NUMERICS.gemm_order) * rsqrt
+        if NUMERICS.gemm_order == "kernel":
+            mixes = kernel_gemm(xf, self, f"hc_{which}_", "fp32", cfg.mix_hc) * rsqrt
+        else:
+            mixes = linear_fp32(xf, getattr(self, f"hc_{which}_fn"), NUMERICS.gemm_order) * rsqrt
         return hc_split_sinkhorn(mixes, getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"),
                                  cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
@@ -887,36 +1002,65 @@ class Transformer(nn.Module):
     def inputs(self, seqlen: int, positions: torch.Tensor, valid_len: torch.Tensor | None, pos: torch.Tensor | None,
                capture: Capture | None = None) -> StepInputs:
         """The per-call context for tokens at int64 positions [B,S]."""
-        tables = {c: (getattr(self, f"rope_cos_{int(c)}"), getattr(self, f"rope_sin_{int(c)}")) for c in (False, True)}
-        rope = {c: (cos[positions], sin[positions]) for c, (cos, sin) in tables.items()}
-        return StepInputs(seqlen, valid_len, pos, rope, tables, capture)
+        return step_inputs(self, seqlen, positions, valid_len, pos, capture)
 
     def run(self, tokens: torch.Tensor, ctx: StepInputs, engram_ids: torch.Tensor | None, state: dict,
             last: torch.Tensor, routed: bool = False) -> tuple[torch.Tensor, dict]:
         """tokens int64 [B,S]; engram_ids int64 [B,S,E,C]; last int64 [B] the position (within this
         call) whose logits to return. Returns (logits fp32 [B,V], new state dict)."""
-        cap = ctx.capture
-        B, S = tokens.shape
         new: dict[str, torch.Tensor] = {}
         shared: dict[str, torch.Tensor] = {}
-        h = self.embed(tokens)
-        if NUMERICS.nudge_embedding:
-            h = torch.nextafter(h, torch.full_like(h, math.inf))
-        h = h.unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
-        pre_mix = torch.zeros(B, S, self.cfg.hc_mult, dtype=torch.float32, device=tokens.device)
-        pre_mix[..., 0] = 1.0
+        h, pre_mix = self.embed_stream(tokens)
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
-                e = self.cfg.engram_layer_ids.index(i)
-                _cap(cap, f"layers.{i}.engram.in", h)
-                h = layer.engram(h, engram_ids[:, :, e])
-                _cap(cap, f"layers.{i}.engram.out", h)
+                h = self.engram_at(i, h, engram_ids[:, :, self.cfg.engram_layer_ids.index(i)], ctx.capture)
             h, pre_mix = layer(h, pre_mix, ctx, state, new, shared, routed)
-        gather = last.view(B, 1, 1, 1).expand(B, 1, h.size(2), h.size(3))
-        h_last = h.gather(1, gather)
-        mix_last = pre_mix.gather(1, last.view(B, 1, 1).expand(B, 1, pre_mix.size(2)))
-        y = self.norm(hc_pre(h_last, mix_last))[:, 0]
-        _cap(cap, "final.norm", y)
-        logits = self.head(y.float())
-        _cap(cap, "final.logits", logits)
-        return logits, new
+        return self.head_logits(h, pre_mix, last, ctx.capture), new
+
+    def embed_stream(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens int64 [B,S] -> (hc stream, first pre-mix); see `embed_stream`."""
+        return embed_stream(self.embed, self.cfg.hc_mult, tokens)
+
+    def engram_at(self, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, cap: Capture | None = None) -> torch.Tensor:
+        """Layer `layer`'s engram on the stream h bf16 [B,S,hc,D] with its hash ids int64 [B,S,C]."""
+        return engram_at(self.layers[layer].engram, layer, h, hash_ids, cap)
+
+    def head_logits(self, h: torch.Tensor, pre_mix: torch.Tensor, last: torch.Tensor, cap: Capture | None = None) -> torch.Tensor:
+        """Logits at position `last` of each row; see `head_logits`."""
+        return head_logits(self.norm, self.head, h, pre_mix, last, cap)
+
+
+def embed_stream(embed: nn.Embedding, hc: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens int64 [B,S] -> the hc stream bf16 [B,S,hc,D] (hc copies of the embedding) and the
+    first pre-mix fp32 [B,S,hc] (one-hot on copy 0: block 0 collapses the stream to copy 0)."""
+    B, S = tokens.shape
+    h = embed(tokens)
+    if NUMERICS.nudge_embedding:
+        h = torch.nextafter(h, torch.full_like(h, math.inf))
+    h = h.unsqueeze(2).repeat(1, 1, hc, 1)
+    pre_mix = torch.zeros(B, S, hc, dtype=torch.float32, device=tokens.device)
+    pre_mix[..., 0] = 1.0
+    return h, pre_mix
+
+
+def engram_at(engram: Engram, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, cap: Capture | None = None) -> torch.Tensor:
+    """Layer `layer`'s engram on the stream h bf16 [B,S,hc,D] with its hash ids int64 [B,S,C]."""
+    _cap(cap, f"layers.{layer}.engram.in", h)
+    h = engram(h, hash_ids)
+    _cap(cap, f"layers.{layer}.engram.out", h)
+    return h
+
+
+def head_logits(norm: RMSNorm, head: Linear, h: torch.Tensor, pre_mix: torch.Tensor, last: torch.Tensor,
+                cap: Capture | None = None) -> torch.Tensor:
+    """The final pre-mix, norm and fp32 head at position last int64 [B] of each row of the stream
+    h bf16 [B,S,hc,D] (pre_mix fp32 [B,S,hc]) -> logits fp32 [B,V] (model.py Transformer.forward)."""
+    B = h.size(0)
+    gather = last.view(B, 1, 1, 1).expand(B, 1, h.size(2), h.size(3))
+    h_last = h.gather(1, gather)
+    mix_last = pre_mix.gather(1, last.view(B, 1, 1).expand(B, 1, pre_mix.size(2)))
+    y = norm(hc_pre(h_last, mix_last))[:, 0]
+    _cap(cap, "final.norm", y)
+    logits = head(y.float())
+    _cap(cap, "final.logits", logits)
+    return logits

@@ -391,10 +391,11 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     choice. The one linear with an fp32 weight (the mHC `hc_*_fn`) has 32-bit products; there the
     float64 sum can round, and only a row whose exact dot product lies within K float64 ulps of an
     fp32 rounding boundary can come out differently (about one row in 2^26).
-    Raises ValueError for a dtype other than float32/float64.
+    Raises ValueError for other dtypes.
     """
-    if x.dtype not in (torch.float32, torch.float64) or w.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"exact_linear: x and w must be float32 or float64, got {x.dtype} and {w.dtype}")
+    if x.dtype not in (torch.float32, torch.float64) or w.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"exact_linear: x must be float32 or float64 and w bfloat16, float32 or float64, "
+                         f"got {x.dtype} and {w.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     wd = w.double()
@@ -478,6 +479,13 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, order: str = "ascending") -> t
     return rows_stable_linear(x, w.float()) if order == "fused" else exact_linear(x, w)
 
 
+def fp8_activation(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The FP8 GEMM input: act_quant(x, block) dequantised, float(q) * s in fp32 [..., K] (exact,
+    without the bf16 rounding of `act_quant_qdq`). Raises ValueError as `act_quant`."""
+    q, s = act_quant(x, block)
+    return _scale_blocks(q.float(), s, block)
+
+
 def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
     """The model's `linear()` for FP8 and FP4 weights: FP8 activation QDQ, block-scaled GEMM, bf16 out.
 
@@ -492,9 +500,7 @@ def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str
     Raises ValueError as `act_quant` and `block_scaled_matmul`.
     Source: DeepSeek-V4.1-Flash:inference/model.py `linear`; reference/deepseek_v4_arch.md section 2.
     """
-    q, s = act_quant(x, block)
-    a = _scale_blocks(q.float(), s, block)
-    return block_scaled_matmul(a, w_deq, block, order).to(torch.bfloat16)
+    return block_scaled_matmul(fp8_activation(x, block), w_deq, block, order).to(torch.bfloat16)
 
 
 def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:

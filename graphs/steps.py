@@ -83,7 +83,6 @@ def prefill(model: Transformer, tokens: torch.Tensor, valid_len: torch.Tensor, e
 def decode(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, engram_ids: torch.Tensor, state: dict[str, torch.Tensor],
            capture: Capture | None = None, routed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """tokens int64 [B,1] at positions pos int64 [B] (< max_seq_len) -> (logits fp32 [B,V], state')."""
-    B = tokens.size(0)
     ctx = model.inputs(1, pos.unsqueeze(1), None, pos, capture)
     logits, new = model.run(tokens, ctx, engram_ids, state, torch.zeros_like(pos), routed)
     return logits, {name: new.get(name, state[name]) for name in state}

@@ -107,6 +107,8 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
         per_row = 8 * (topk * dim + 3 * n_heads * topk + 2 * n_heads * dim)
         budget = _TRACED_CHUNK_BYTES if torch.compiler.is_compiling() else _CHUNK_BYTES
         rows_per_chunk = max(1, budget // per_row)
+    if isinstance(rows, torch.SymInt):  # traced with a dynamic token count: one chunk, no guard on it
+        return _attend(qf, table, flat_idx, valid, sink_f, scale).view(bsz, seqlen, n_heads, dim)
     parts = [_attend(qf[r0:r0 + rows_per_chunk], table, flat_idx[r0:r0 + rows_per_chunk],
                      valid[r0:r0 + rows_per_chunk], sink_f, scale) for r0 in range(0, rows, rows_per_chunk)]
     return torch.cat(parts).view(bsz, seqlen, n_heads, dim)

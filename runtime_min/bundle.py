@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .schema import MANIFEST, BundleError, Manifest, parse_dtype
+from .schema import MANIFEST, BundleError, Manifest, Prepare, parse_dtype
 
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
 # of these names are placeholders). Compiling traces on the XLA device (torch_neuronx), runs
@@ -117,7 +117,7 @@ def _release(version: str) -> str:
 
 def verify_files(root: Path, manifest: Manifest) -> None:
     """Every listed file matches its size and sha256; every file the bundle uses is listed."""
-    used = [manifest.weights_file, *manifest.tokenizer.files, *(b.file for b in manifest.buckets)]
+    used = [manifest.weights_file, *manifest.tokenizer.files, *(f for b in manifest.buckets for f in b.files)]
     for rel in used:
         if rel not in manifest.files:
             raise BundleError(f"{MANIFEST}: {rel} is used by the bundle but has no checksum in the manifest")
@@ -161,10 +161,21 @@ class Bundle:
                 if name not in weights:
                     raise BundleError(f"{m.weights_file}: has no tensor {name!r}, which manifest {key} names")
                 weights[name] = change(weights[name], parse_dtype(dtype, f"{key}[{name!r}]"))
+        if m.prepare:
+            taken = {n for b in m.buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
+            for p in m.prepare:
+                missing = [n for n in (*p.weights, *p.scales) if n not in weights]
+                if missing:
+                    raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which manifest prepare names")
+                weights.update(prepare_tensors(p, weights))
+                for n in (*p.weights, *p.scales):  # free each stored tensor once no executable needs it
+                    if n not in taken:
+                        del weights[n]
         for b in m.buckets:
-            missing = [n for n in b.weights if n not in weights]
-            if missing:
-                raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which {b.file} takes")
+            for file, names in ((b.file, b.weights), *((st.file, st.weights) for st in b.stages)):
+                missing = [n for n in names if n not in weights]
+                if missing:
+                    raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which {file} takes")
         return weights
 
     @property
@@ -174,6 +185,25 @@ class Bundle:
         if not files or Path(files[0]).name != "tokenizer.json":
             raise BundleError(f"{MANIFEST}: tokenizer.files must start with a tokenizer.json (got {list(files)})")
         return self.root / files[0]
+
+
+def prepare_tensors(p: Prepare, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The two tensors a `Prepare` recipe makes from `tensors` (schema.py), in the cpu kernels'
+    layout (kernels_nki.cpu_gemm.prepare_weight; importing it builds the kernels on first use).
+    Raises BundleError when the recipe does not fit its tensors."""
+    from dsneuron.kernels_nki import cpu_gemm
+
+    ws = [tensors[n] for n in p.weights]
+    ss = [tensors[n] for n in p.scales]
+    w = torch.stack(ws) if len(ws) > 1 else ws[0]
+    scale = (torch.stack(ss) if len(ss) > 1 else ss[0]) if ss else None
+    if p.groups:
+        w = w.view(p.groups, -1, w.shape[-1])
+    try:
+        out = cpu_gemm.prepare_weight(p.fmt, w, scale)
+    except (ValueError, RuntimeError) as e:
+        raise BundleError(f"manifest prepare of {p.weights[0]}: {e}") from None
+    return {p.outputs[0]: out["w"], p.outputs[1]: out["w_scale"]}
 
 
 def read_manifest(root: Path) -> Manifest:

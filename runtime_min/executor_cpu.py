@@ -16,13 +16,16 @@ import importlib
 import json
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .schema import Bucket, BundleError
 
 _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
-_OP_MODULES = {"dsneuron": "dsneuron.kernels_nki"}
+#: the modules that register a namespace's ops, imported in order until the op exists (the cpu
+#: GEMM kernels are a C++ extension built on first import, so only bundles that call them pay it)
+_OP_MODULES = {"dsneuron": ("dsneuron.kernels_nki", "dsneuron.kernels_nki.cpu_gemm", "dsneuron.kernels_nki.cpu_attn")}
 
 
 def check_archive(path: Path) -> None:
@@ -59,12 +62,29 @@ def register_custom_ops(custom_ops: dict[str, str]) -> None:
         if mode != "call":
             continue
         ns, _, rest = op.partition("::")
-        if ns in _OP_MODULES:
-            importlib.import_module(_OP_MODULES[ns])
         name = rest.split(".")[0]
+        for module in _OP_MODULES.get(ns, ()):
+            if hasattr(getattr(torch.ops, ns), name):
+                break
+            importlib.import_module(module)
         if not hasattr(getattr(torch.ops, ns), name):
             raise BundleError(f"the bundle's executables call custom op {op} at run time, but no loaded module "
                               "registers it")
+
+
+def _load_package(path: Path, what: str, n_weights: int, n_inputs: int):
+    """The AOTInductor model of package `path`, checked (`check_archive`) and cross-checked to take
+    n_weights + n_inputs arguments; raises BundleError naming `what`."""
+    check_archive(path)
+    try:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except RuntimeError as e:
+        raise BundleError(f"{what}: the AOTInductor loader refused it ({e})") from None
+    takes = _argument_count(loader.get_call_spec()[0])
+    if takes is not None and takes != n_weights + n_inputs:
+        raise BundleError(f"{what}: the executable takes {takes} arguments, the manifest gives it "
+                          f"{n_weights} weights + {n_inputs} inputs")
+    return loader
 
 
 class CpuExecutable:
@@ -74,20 +94,39 @@ class CpuExecutable:
     or the model takes another number of arguments than the manifest's weights + inputs."""
 
     def __init__(self, path: Path, bucket: Bucket, weights: list[torch.Tensor]):
-        check_archive(path)
         self.bucket = bucket
         self.weights = weights
-        try:
-            self._loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        except RuntimeError as e:
-            raise BundleError(f"{bucket.file}: the AOTInductor loader refused it ({e})") from None
-        takes = _argument_count(self._loader.get_call_spec()[0])
-        if takes is not None and takes != len(weights) + len(bucket.inputs):
-            raise BundleError(f"{bucket.file}: the executable takes {takes} arguments, the manifest gives it "
-                              f"{len(weights)} weights + {len(bucket.inputs)} inputs")
+        self._loader = _load_package(path, bucket.file, len(weights), len(bucket.inputs))
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """inputs: tensors matching `bucket.inputs` exactly (shape, dtype); raises ValueError otherwise,
         since the compiled code indexes memory by the static shapes."""
         self.bucket.check_inputs(inputs)
         return self._loader.boxed_run([*self.weights, *inputs])
+
+
+class StagedExecutable:
+    """A staged bucket (schema.py): one loaded package per stage kind, run stage by stage. Same
+    interface as CpuExecutable; `weights` maps every weight name a stage takes to its tensor.
+    Construction raises BundleError as CpuExecutable does, per stage file."""
+
+    def __init__(self, root: Path, bucket: Bucket, weights: dict[str, torch.Tensor]):
+        self.bucket = bucket
+        loaders: dict[str, Any] = {}
+        self._stages = []
+        for st in bucket.stages:
+            if st.file not in loaders:
+                loaders[st.file] = _load_package(root / st.file, st.file, len(st.weights), len(st.inputs))
+            self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs))
+        self._columns = any(n.startswith("engram_ids.") for st in bucket.stages for n in st.inputs)
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """As CpuExecutable.run: inputs of `bucket.inputs`, outputs of `bucket.outputs`."""
+        self.bucket.check_inputs(inputs)
+        env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
+        if self._columns:
+            engram = env["engram_ids"]
+            env.update({f"engram_ids.{e}": engram[:, :, e].contiguous() for e in range(engram.shape[2])})
+        for loader, weights, names_in, names_out in self._stages:
+            env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
+        return [env[spec.name] for spec in self.bucket.outputs]

@@ -5,7 +5,8 @@ A bundle is a folder:
     manifest.json         this module's `Manifest`, as JSON (written last: a folder without it is not a bundle)
     weights.safetensors   every weight tensor once; each bucket executable takes the ones it names as inputs
     tokenizer/            tokenizer.json (+ config files) copied from the compiling host
-    buckets/<kind>_b<batch>_s<len>.<ext>   one executable per bucket (`.pt2` AOTInductor package on cpu)
+    buckets/<kind>_b<batch>_s<len>.<ext>   one executable per bucket (`.pt2` AOTInductor package on cpu), or
+    buckets/<kind>_b<batch>_s<len>/<stage kind>.<ext>   a staged bucket: one executable per stage kind
 
 Evolution rules (ExecuTorch schema/README style): add fields at the end with a default, never remove or
 re-purpose a field, never change a default's meaning. A change an old runtime would misread bumps
@@ -26,9 +27,18 @@ The seal guards against mistakes, not attacks: whoever can rewrite the manifest 
 (`content_sha256`), as they can the files' checksums. The field is appended at the end (an old
 runtime ignores it) and required by this loader; the schema version is unchanged.
 
-Calling convention of every bucket executable (both targets):
+Calling convention of every bucket (both targets):
     inputs  = [weights named in `Bucket.weights`, in that order] + `Bucket.inputs` (data, then state)
     outputs = `Bucket.outputs` = [logits [B, V] float32] + new state, in the order of `Manifest.state`
+A single-executable bucket is one executable with exactly that convention. A staged bucket
+(`Bucket.stages` not empty; schema version 2) runs its stages in order instead: each `Stage` is an
+executable called as [its weights] + [the values it names as inputs] -> the values it names as
+outputs, where a value is a bucket input (by name), an output of an earlier stage, or one of the
+columns `engram_ids.e` = engram_ids[:, :, e] of the engram_ids input; the bucket's outputs are the
+values of those names after the last stage. Stages of one kind share one executable file (the
+model's layers of one kind: graphs/stages.py). A prefill bucket with `min_seq_len` > 0 takes every
+multiple of `seq_len_step` from min_seq_len to seq_len tokens: its executables have a dynamic token
+dimension, and the runtime pads a prompt only up to the next such count (`Bucket.padded_len`).
 Prefill data inputs: tokens [B, S] int64 (right-padded), valid_len [B] int64, engram_ids [B, S, E, C]
 int64. Decode data inputs: tokens [B, 1] int64, pos [B] int64, engram_ids [B, 1, E, C] int64.
 
@@ -50,7 +60,10 @@ import torch
 
 from dsneuron import UserError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
+#: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged)
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 FORMAT = "dsneuron-bundle"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -159,6 +172,75 @@ class StateEntry:
 
 
 @dataclass(frozen=True)
+class Prepare:
+    """One load-time recipe (schema version 2): the weight tensors `weights` (stacked along a new
+    first dimension when several, or a single weight [groups * r, K] viewed as [groups, r, K] when
+    groups > 0) and their UE8M0 `scales`, in cpu kernel format `fmt` (fp8, fp4, bf16, fp32), become
+    the two tensors named `outputs` = (panels, panel scales) of kernels_nki.cpu_gemm.prepare_weight.
+    The weights file holds the checkpoint tensors; the executables take the outputs."""
+
+    fmt: str
+    weights: tuple[str, ...]
+    scales: tuple[str, ...]
+    groups: int
+    outputs: tuple[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fmt": self.fmt, "weights": list(self.weights), "scales": list(self.scales), "groups": self.groups,
+                "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "Prepare":
+        r = _obj(raw, where)
+        fmt = _get(r, "fmt", str, where)
+        if fmt not in PREPARE_FORMATS:
+            raise BundleError(f"manifest {where}.fmt: {fmt!r} is not one of {', '.join(PREPARE_FORMATS)}")
+        names = {}
+        for key in ("weights", "scales", "outputs"):
+            value = _get(r, key, list, where)
+            if not all(isinstance(v, str) for v in value):
+                raise BundleError(f"manifest {where}.{key}: expected a list of tensor names")
+            names[key] = tuple(value)
+        if not names["weights"] or len(names["outputs"]) != 2:
+            raise BundleError(f"manifest {where}: needs at least one weight and exactly two outputs")
+        groups = _get(r, "groups", int, where)
+        if groups < 0:
+            raise BundleError(f"manifest {where}.groups: must be >= 0 (got {groups})")
+        return cls(fmt, names["weights"], names["scales"], groups, names["outputs"])
+
+
+#: the cpu kernel formats of a `Prepare` recipe (kernels_nki.cpu_gemm.FORMATS)
+PREPARE_FORMATS = ("fp8", "fp4", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a staged bucket (module docstring): `file` run on [`weights`] + the values
+    named by `inputs`, producing the values named by `outputs`."""
+
+    name: str
+    file: str
+    weights: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "file": self.file, "weights": list(self.weights), "inputs": list(self.inputs),
+                "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> "Stage":
+        r = _obj(raw, where)
+        lists = {}
+        for key in ("weights", "inputs", "outputs"):
+            value = _get(r, key, list, where)
+            if not all(isinstance(v, str) for v in value):
+                raise BundleError(f"manifest {where}.{key}: expected a list of names")
+            lists[key] = tuple(value)
+        return cls(_get(r, "name", str, where), _get(r, "file", str, where), **lists)
+
+
+@dataclass(frozen=True)
 class Bucket:
     """One compiled executable.
 
@@ -169,7 +251,12 @@ class Bucket:
     file: bundle-relative path of the executable.
     weights: names in weights.safetensors passed first, in this order.
     inputs / outputs: the data+state inputs after the weights, and the outputs (see module docstring).
-    cache_key: the compile-cache key it was built under (sha256 hex), for provenance.
+    cache_key: the compile-cache key it was built under (sha256 hex), for provenance; of a staged
+        bucket, the sha256 of its stage executables' keys.
+    stages: the stages of a staged bucket (then `file` is the folder of their executables and
+        `weights` is empty), or () for a single executable.
+    min_seq_len: > 0 for a prefill bucket that takes a range of token counts: every multiple of
+        seq_len_step in min_seq_len..seq_len.
     """
 
     kind: str
@@ -181,6 +268,25 @@ class Bucket:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     cache_key: str
+    stages: tuple[Stage, ...] = ()
+    min_seq_len: int = 0
+    seq_len_step: int = 1
+
+    def padded_len(self, tokens: int) -> int:
+        """The token count a call with `tokens` tokens per row runs at: seq_len for a static bucket,
+        else `tokens` rounded up to a multiple of seq_len_step and to at least min_seq_len."""
+        if not self.min_seq_len:
+            return self.seq_len
+        return max(self.min_seq_len, -(-tokens // self.seq_len_step) * self.seq_len_step)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The executable files this bucket runs (each once)."""
+        return tuple(dict.fromkeys(st.file for st in self.stages)) if self.stages else (self.file,)
+
+    def seq_len_range(self) -> tuple[int, int]:
+        """(fewest, most) tokens per row a call may pass: (seq_len, seq_len) for a static bucket."""
+        return (self.min_seq_len or self.seq_len, self.seq_len)
 
     @property
     def length(self) -> int:
@@ -188,20 +294,36 @@ class Bucket:
         return self.seq_len if self.kind == "prefill" else self.capacity
 
     def check_inputs(self, inputs: list[torch.Tensor]) -> None:
-        """Raise ValueError unless `inputs` match `self.inputs` exactly (count, shape, dtype,
-        contiguous): an executable indexes its buffers by the static shapes it was compiled for."""
+        """Raise ValueError unless `inputs` match `self.inputs` (count, shape, dtype, contiguous):
+        an executable indexes its buffers by the shapes it was compiled for. For a bucket with
+        min_seq_len, the token dimension (dim 1 of the data inputs but valid_len) may be anything
+        in `seq_len_range()`, the same for all of them."""
         if len(inputs) != len(self.inputs):
             raise ValueError(f"{self.file}: expected {len(self.inputs)} inputs, got {len(inputs)}")
+        tokens = self.seq_len
+        if self.min_seq_len:
+            lo, hi = self.seq_len_range()
+            tokens = inputs[0].shape[1] if inputs[0].dim() == 2 else -1
+            if not lo <= tokens <= hi or tokens % self.seq_len_step:
+                raise ValueError(f"{self.file}: takes {lo}..{hi} tokens per row in steps of {self.seq_len_step}, "
+                                 f"got {tokens}")
         for t, spec in zip(inputs, self.inputs):
-            if tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype or not t.is_contiguous():
-                raise ValueError(f"{self.file}: input {spec.name} must be a contiguous {spec.torch_dtype} {list(spec.shape)}, "
+            want = list(spec.shape)
+            if self.min_seq_len and spec.name in ("tokens", "engram_ids"):
+                want[1] = tokens
+            if list(t.shape) != want or t.dtype != spec.torch_dtype or not t.is_contiguous():
+                raise ValueError(f"{self.file}: input {spec.name} must be a contiguous {spec.torch_dtype} {want}, "
                                  f"got {t.dtype} {list(t.shape)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len, "capacity": self.capacity,
-                "file": self.file, "weights": list(self.weights),
-                "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
-                "cache_key": self.cache_key}
+        out = {"kind": self.kind, "batch": self.batch, "seq_len": self.seq_len, "capacity": self.capacity,
+               "file": self.file, "weights": list(self.weights),
+               "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs],
+               "cache_key": self.cache_key}
+        if self.stages or self.min_seq_len:
+            out.update(stages=[st.to_dict() for st in self.stages], min_seq_len=self.min_seq_len,
+                       seq_len_step=self.seq_len_step)
+        return out
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Bucket":
@@ -216,12 +338,24 @@ class Bucket:
         weights = _get(r, "weights", list, where)
         if not all(isinstance(w, str) for w in weights):
             raise BundleError(f"manifest {where}.weights: expected a list of tensor names")
+        stages = tuple(Stage.from_dict(x, f"{where}.stages[{i}]") for i, x in enumerate(r.get("stages", [])))
+        min_seq_len = r.get("min_seq_len", 0)
+        if not isinstance(min_seq_len, int) or isinstance(min_seq_len, bool) or not 0 <= min_seq_len <= ints["seq_len"]:
+            raise BundleError(f"manifest {where}.min_seq_len: must be an integer in 0..seq_len={ints['seq_len']} "
+                              f"(got {min_seq_len!r})")
+        if min_seq_len and kind != "prefill":
+            raise BundleError(f"manifest {where}.min_seq_len: only a prefill bucket takes a range of token counts")
+        step = r.get("seq_len_step", 1)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1 or (min_seq_len and min_seq_len % step):
+            raise BundleError(f"manifest {where}.seq_len_step: must be a positive integer dividing min_seq_len "
+                              f"(got {step!r})")
         return cls(kind=kind, file=_get(r, "file", str, where), weights=tuple(weights),
                    inputs=tuple(TensorSpec.from_dict(x, f"{where}.inputs[{i}]")
                                 for i, x in enumerate(_get(r, "inputs", list, where))),
                    outputs=tuple(TensorSpec.from_dict(x, f"{where}.outputs[{i}]")
                                  for i, x in enumerate(_get(r, "outputs", list, where))),
-                   cache_key=_get(r, "cache_key", str, where), **ints)
+                   cache_key=_get(r, "cache_key", str, where), stages=stages, min_seq_len=min_seq_len,
+                   seq_len_step=step, **ints)
 
 
 @dataclass(frozen=True)
@@ -261,6 +395,8 @@ class Manifest:
         (e.g. a bf16 checkpoint head held fp32 by the model); the runtime casts them after loading.
     weight_views: {weight name: dtype name} for weights the executables take as a same-width bitcast
         view (the cpu backend takes float8_e8m0fnu scales as uint8); applied after load_casts.
+    prepare: `Prepare` recipes, applied after the views (schema version 2): stored tensors ->
+        the kernel-layout tensors the executables take.
     """
 
     target: str
@@ -279,6 +415,7 @@ class Manifest:
     created_by: str = ""
     load_casts: dict[str, str] = field(default_factory=dict)
     weight_views: dict[str, str] = field(default_factory=dict)
+    prepare: tuple[Prepare, ...] = ()
 
     def to_json(self) -> str:
         """The manifest.json text, sealed with `manifest_sha256` (module docstring)."""
@@ -291,6 +428,8 @@ class Manifest:
             "state": [s.to_dict() for s in self.state], "buckets": [b.to_dict() for b in self.buckets],
             "files": self.files, "load_casts": self.load_casts, "weight_views": self.weight_views,
         }
+        if self.prepare:
+            body["prepare"] = [p.to_dict() for p in self.prepare]
         body[SEAL] = content_sha256(body)
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
@@ -311,9 +450,10 @@ class Manifest:
         if r.get("format") != FORMAT:
             raise BundleError(f"{MANIFEST}: format is {r.get('format')!r}, expected {FORMAT!r} (not a dsneuron bundle)")
         version = r.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
             raise BundleError(f"{MANIFEST}: schema version {version!r} is not supported by this runtime "
-                              f"(supported: {SCHEMA_VERSION}); recompile the bundle with this dsneuron version")
+                              f"(supported: {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}); recompile the bundle "
+                              "with this dsneuron version")
         files = _get(r, "files", dict, "")
         for path, meta in files.items():
             m = _obj(meta, f"files[{path!r}]")
@@ -340,7 +480,10 @@ class Manifest:
             created_by=_get(r, "created_by", str, ""),
             load_casts=_dtype_map(_get(r, "load_casts", dict, ""), "load_casts"),
             weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
+            prepare=tuple(Prepare.from_dict(x, f"prepare[{i}]") for i, x in enumerate(r.get("prepare", []))),
         )
+        if manifest.prepare and version < 2:
+            raise BundleError(f"{MANIFEST}: prepare needs schema version 2 (the manifest says {version})")
         _check_buckets(manifest)
         _check_seal(r)
         return manifest
@@ -398,6 +541,11 @@ def _check_buckets(m: "Manifest") -> None:
             raise BundleError(f"{where}.outputs: the first output must be the logits [batch={b.batch}, V > 0]")
         vocab.add(b.outputs[0].shape[1])
         engram.add(_check_inputs(b, where, {s.name for s in m.state}))
+        if b.stages or b.min_seq_len:
+            if m.schema_version < 2:
+                raise BundleError(f"{where}: stages and min_seq_len need schema version 2 (the manifest says "
+                                  f"{m.schema_version})")
+            _check_stages(b, where)
     decode_batches = {b.batch for b in m.buckets if b.kind == "decode"}
     for b in m.buckets:
         if b.kind == "prefill" and b.batch not in decode_batches:
@@ -438,6 +586,26 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
         if spec.name not in state and not spec.name.startswith(PROBE_PREFIX):
             raise BundleError(f"{where}.outputs: {spec.name} is neither a state tensor nor a probe")
     return engram.shape[2:]
+
+
+def _check_stages(b: Bucket, where: str) -> None:
+    """A staged bucket's wiring: every stage input is a bucket input, an engram_ids column or an
+    output of an earlier stage; every bucket output is produced by some stage; a stage file lies
+    in the bucket's folder. Raises BundleError naming the first gap."""
+    if not b.stages:
+        return
+    known = {s.name for s in b.inputs}
+    for i, st in enumerate(b.stages):
+        if not st.file.startswith(f"{b.file}/"):
+            raise BundleError(f"{where}.stages[{i}].file: {st.file} is not in the bucket's folder {b.file}")
+        for name in st.inputs:
+            if name not in known and not (name.startswith("engram_ids.") and "engram_ids" in known):
+                raise BundleError(f"{where}.stages[{i}] ({st.name}): input {name} is neither a bucket input nor "
+                                  "an output of an earlier stage")
+        known.update(st.outputs)
+    for spec in b.outputs:
+        if spec.name not in known:
+            raise BundleError(f"{where}.outputs: {spec.name} is produced by no stage")
 
 
 def _finite_float(text: str) -> float:

@@ -38,7 +38,7 @@ from dsneuron import UserError
 
 from . import schema, select
 from .bundle import Bundle, open_bundle
-from .executor_cpu import CpuExecutable, register_custom_ops
+from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
 from .sampling import check_params, check_seed, sample
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
@@ -177,7 +177,10 @@ class Session:
         key = (kind, batch, length)
         if key not in self._loaded:
             b = self._buckets[key]
-            self._loaded[key] = self._make(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
+            if b.stages:
+                self._loaded[key] = StagedExecutable(self.bundle.root, b, self.weights)
+            else:
+                self._loaded[key] = self._make(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
         return self._loaded[key]
 
     @property
@@ -314,12 +317,14 @@ class Session:
         return results
 
     def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
-        """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch, seq_len)."""
-        tokens, valid = select.pad_prompts(ids, batch, seq_len, self.manifest.tokenizer.pad_token_id)
+        """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch,
+        seq_len), or for a bucket with a token range to `Bucket.padded_len` of the longest prompt."""
+        exe = self._executable("prefill", batch, seq_len)
+        tokens, valid = select.pad_prompts(ids, batch, exe.bucket.padded_len(max(len(x) for x in ids)),
+                                           self.manifest.tokenizer.pad_token_id)
         engram = history = None
         if self.hasher is not None:
             engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
-        exe = self._executable("prefill", batch, seq_len)
         return exe, self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, self._state_for(exe.bucket, {})), history
 
     def _decode_call(self, feed: torch.Tensor, pos: torch.Tensor, history, state: dict[str, torch.Tensor]):
@@ -349,7 +354,8 @@ class Session:
         args = []
         for spec in bucket.inputs:
             if spec.name == "engram_ids" and data.get("engram_ids") is None:
-                args.append(torch.zeros(spec.shape, dtype=torch.int64))  # E = 0: an empty tensor
+                shape = (spec.shape[0], data["tokens"].shape[1], *spec.shape[2:])
+                args.append(torch.zeros(shape, dtype=torch.int64))  # E = 0: an empty tensor
             elif spec.name in DATA_INPUTS:
                 args.append(data[spec.name].contiguous())
             else:

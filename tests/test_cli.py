@@ -43,7 +43,7 @@ work = Path({work!r})
 kit = stand_in.make_kit(work, {{"max_seq_len": 8, "decode_context_lens": [8]}})
 config = work / "stand_in.json"
 config.write_text(json.dumps({{"model": kit.model_cfg.to_dict(), "compile": kit.compile_cfg.to_dict()}}))
-pipeline.build_steps_for_config = lambda m, c, cache_dir=None, probes=False: kit.parts
+pipeline.build_steps_for_config = lambda m, c, cache_dir=None, probes=False, target="cpu": kit.parts
 
 def slow(program, out, flags):
     out.write_text("half-written")

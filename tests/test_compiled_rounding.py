@@ -10,7 +10,6 @@ require the bits of eager execution; the bf16 GEMMs are also checked against flo
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dsneuron.compiler.backend_cpu import DEFAULT_FLAGS

@@ -1,0 +1,191 @@
+"""Staged buckets (runtime_min/schema.py): one executable per stage kind and bucket, made in parallel.
+
+A staged bucket runs its model's stages in order (graphs/stages.py); stages of one kind share one
+executable, exported from the kind's first stage and reused by every stage of that kind with its
+own weights. So a bucket needs as many executables as its model has stage kinds, whatever its
+number of layers, and `StagedCompile` makes them like this:
+
+1. `plan` each bucket: on a front-index hit (compiler/cache.py `pre_key`) its record comes from the
+   cache and nothing is exported; otherwise its stage graphs are built and one task is queued per
+   stage kind;
+2. `run` the tasks, in forked worker processes, one per core: each exports its stage graph with the
+   backend's lowering, keys it, and compiles it into the compile cache unless the key is there
+   already. An export and an AOTInductor compile are single-threaded Python plus one g++ run, so
+   processes are what uses the cores. The workers are forked, not spawned, so they inherit the
+   model and the stage graphs in memory (nothing is serialised), and they run torch
+   single-threaded (the parent's OpenMP pool must not be entered in a fork);
+3. `bucket`: the manifest entry, with the executables copied from the cache into the bundle and
+   the record written to the front index.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsneuron.runtime_min.schema import DATA_INPUTS, PROBE_PREFIX, Bucket, Stage, TensorSpec, bucket_file, dtype_name
+
+from .buckets import PlannedBucket
+from .bundle_writer import BundleWriter
+from .cache import CompileCache, cache_key, normalised_graph
+from .export import CompileError, StageGraph, bind_weights, export_step
+from .lower import finish
+
+
+@dataclass
+class _Task:
+    """One executable to make: the stage graph of a kind's first stage in a bucket."""
+
+    bucket: PlannedBucket
+    kind: str
+    graph: StageGraph
+    label: str
+
+
+@dataclass
+class StagedCompile:
+    """The staged buckets of one compile (module docstring). parts: compile.ModelParts; backend:
+    compile.Backend; key_parts: (flags, toolchain, target) of the cache keys."""
+
+    parts: Any
+    backend: Any
+    cache: CompileCache
+    key_parts: tuple
+    records: dict[PlannedBucket, dict[str, Any]] = field(default_factory=dict)
+    tasks: list[_Task] = field(default_factory=list)
+    compiled: int = 0
+
+    def plan(self, pb: PlannedBucket, prekey: str | None, folder: str) -> bool:
+        """Queue what bucket `pb` needs; returns True when its record came from the front index."""
+        record = self.cache.get_alias(prekey) if prekey else None
+        if record is not None:
+            self.records[pb] = record
+            return True
+        graphs = self.parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step)
+        ext = Path(bucket_file(pb.kind, pb.batch, pb.length, self.key_parts[2])).suffix
+        stages, views, specs = [], {}, {}
+        for sg in graphs:
+            if sg.kind not in {t.kind for t in self.tasks if t.bucket == pb}:
+                self.tasks.append(_Task(pb, sg.kind, sg, f"{pb.label} {sg.name}"))
+            names, _ = bind_weights(sg.graph.module, self.parts.weights, sg.name, module_order=True)
+            views.update({n: dtype_name(self.backend.input_views[self.parts.weights[n].dtype]) for n in names
+                          if self.parts.weights[n].dtype in self.backend.input_views})
+            stages.append({"name": sg.name, "kind": sg.kind, "file": f"{folder}/{sg.kind}{ext}", "weights": list(names),
+                           "inputs": [n for n, _ in sg.graph.inputs], "outputs": list(sg.graph.outputs)})
+            specs.update({n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in sg.graph.inputs})
+        E, C = _engram_cols(graphs)
+        inputs = [{"name": "tokens", "shape": [pb.batch, pb.seq_len], "dtype": "int64"},
+                  {"name": DATA_INPUTS[pb.kind][1], "shape": [pb.batch], "dtype": "int64"},
+                  {"name": "engram_ids", "shape": [pb.batch, pb.seq_len, E, C], "dtype": "int64"}]
+        if pb.kind == "decode":
+            inputs += [{"name": n, **specs[n]} for n in self.parts.steps.init_state(pb.batch, pb.capacity)]
+        self.records[pb] = {"stages": stages, "inputs": inputs, "views": views, "prekey": prekey}
+        return False
+
+    def run(self, workers: int, progress: Callable[[int, int], None]) -> None:
+        """Make every queued executable (module docstring, step 2), `workers` at a time; calls
+        progress(done, total) as they finish. Raises what a task raises."""
+        global _RUNNING
+        _RUNNING = self
+        try:
+            total = len(self.tasks)
+            if workers <= 1 or total <= 1:
+                results = []
+                for i in range(total):
+                    results.append(_make(i))
+                    progress(i + 1, total)
+            else:
+                # the blocks first (the largest graphs; a source block's more than a consumer's)
+                order = sorted(range(total), key=lambda i: (not self.tasks[i].kind.startswith("block"),
+                                                            -len(self.tasks[i].kind)))
+                ctx = multiprocessing.get_context("fork")
+                with concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx,
+                                                            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                    futures = {pool.submit(_make, i): i for i in order}
+                    results = [None] * total
+                    for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
+                        results[futures[f]] = f.result()
+                        progress(done, total)
+        finally:
+            _RUNNING = None
+        for task, res in zip(self.tasks, results):
+            rec = self.records[task.bucket]
+            rec.setdefault("kinds", {})[task.kind] = res["key"]
+            rec.setdefault("custom_ops", {}).update(res["custom_ops"])
+            rec.setdefault("kind_outputs", {})[task.kind] = res["outputs"]
+            self.compiled += res["compiled"]
+
+    def bucket(self, pb: PlannedBucket, writer: BundleWriter, folder: str) -> Bucket:
+        """The manifest entry of `pb` (module docstring, step 3)."""
+        record = self.records[pb]
+        if "outputs" not in record:  # made here: its outputs' specs come from the kinds' exports
+            specs = {}
+            for st in record["stages"]:
+                specs.update(zip(st["outputs"], record["kind_outputs"][st["kind"]]))
+            state = [s["name"] for s in record["inputs"][3:]] or list(self.parts.steps.init_state(pb.batch, pb.capacity))
+            probes = [n for st in record["stages"] for n in st["outputs"] if n.startswith(PROBE_PREFIX)]
+            record["outputs"] = [{"name": n, **specs[n]} for n in ("logits", *state, *probes)]
+            del record["kind_outputs"]
+            prekey = record.pop("prekey")
+            if prekey:
+                self.cache.put_alias(prekey, record)
+        for kind, key in record["kinds"].items():
+            rel = f"{folder}/{kind}{Path(record['stages'][0]['file']).suffix}"
+            if not writer.path(rel).exists():
+                artifact = self.cache.get(key)
+                if artifact is None:
+                    raise CompileError(f"{pb.label}: executable {kind} is missing from the compile cache")
+                writer.copy_in(artifact, rel)
+        key = hashlib.sha256(json.dumps(record["kinds"], sort_keys=True).encode()).hexdigest()
+        stages = tuple(Stage.from_dict({k: v for k, v in st.items() if k != "kind"}, "stages") for st in record["stages"])
+        return Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=folder, weights=(),
+                      inputs=tuple(TensorSpec.from_dict(x, "inputs") for x in record["inputs"]),
+                      outputs=tuple(TensorSpec.from_dict(x, "outputs") for x in record["outputs"]),
+                      cache_key=key, stages=stages, min_seq_len=pb.min_seq_len, seq_len_step=pb.seq_len_step)
+
+
+#: the StagedCompile whose tasks are running, read by the forked workers
+_RUNNING: StagedCompile | None = None
+
+
+def _make(i: int) -> dict[str, Any]:
+    """Export, key and (on a cache miss) compile task i of the running StagedCompile."""
+    sc = _RUNNING
+    task = sc.tasks[i]
+    flags, toolchain, target = sc.key_parts
+    mode = sc.backend.lowering()
+    exported = export_step(task.graph.graph, sc.parts.weights, task.label, sc.backend.input_views, mode,
+                           module_order=True)
+    custom_ops = finish(exported.program, mode, task.label)
+    key = cache_key(normalised_graph(exported.program), flags, toolchain, target, sc.backend.name)
+    compiled = False
+    if sc.cache.get(key) is None:
+        sc.cache.root.mkdir(parents=True, exist_ok=True)
+        ext = Path(bucket_file(task.bucket.kind, task.bucket.batch, task.bucket.length, target)).suffix
+        with tempfile.TemporaryDirectory(prefix=".build.", dir=sc.cache.root) as tmp:
+            out = Path(tmp) / f"{task.kind}{ext}"  # the archive's folder is named after the file
+            sc.backend.compile(exported.program, out, out.stem)
+            sc.cache.put(key, out)
+        compiled = True
+    return {"key": key, "custom_ops": custom_ops, "compiled": compiled,
+            "outputs": [{"shape": list(o.shape), "dtype": o.dtype} for o in exported.outputs]}
+
+
+def _engram_cols(graphs: list[StageGraph]) -> tuple[int, int]:
+    """(E, C) of the engram_ids input: one column per engram stage input engram_ids.e, C from its shape."""
+    cols = {n: t for sg in graphs for n, t in sg.graph.inputs if n.startswith("engram_ids.")}
+    return len(cols), (next(iter(cols.values())).shape[-1] if cols else 0)
+
+
+def default_workers() -> int:
+    """Worker processes: one per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

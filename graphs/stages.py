@@ -1,0 +1,291 @@
+"""The step functions as a sequence of stage graphs: the unit the cpu target compiles.
+
+A step (graphs.steps.prefill / decode) runs embed -> [engram] -> block 0 -> ... -> block n-1 -> head.
+Here each of those is a stage module with positional tensor inputs and outputs, and a `kind`: the
+structure of the stage (a block's compress ratio and its role as kv, index or candidate source or
+consumer; an engram; the embedding; the head), independent of which layer it is. Stages of one kind
+trace to the same graph with other weights, so a compiler builds one executable per kind and step
+shape and reuses it for every layer of that kind (the compile cost grows with the layer kinds, not
+the layers: tiny's 10 layers are 6 block kinds, V4.1-Flash's 40 are 6 as well).
+
+Values flow between stages by name (the bundle's wiring):
+
+| name | shape | dtype | what |
+|---|---|---|---|
+| tokens | [B, S] | int64 | data input |
+| valid_len / pos | [B] | int64 | data input of prefill / decode |
+| engram_ids.e | [B, S, C] | int64 | the hash ids of the e-th engram layer (the host splits engram_ids) |
+| h, pre_mix | [B, S, hc, D] / [B, S, hc] | bf16 / fp32 | the hyper-connection stream between stages |
+| layers.L.<state> | graphs.steps.state_layout | | layer L's decode state (prefill: outputs only) |
+| layers.L.topk_idxs | [B, S, index_topk] | int32 | index source L's compressed selections |
+| layers.L.candidates | [B, S, T] | bool | candidate source L's candidate mask (T = S // ratio in prefill) |
+| logits | [B, V] | fp32 | the head's output |
+| probe.<stage> | | | captured stage tensors (probe bundles only) |
+
+A block that reads another layer's cache (a consumer of kv source K) takes `layers.K.compress_kv`
+(and `layers.K.index_k`) as inputs: the source's updated state, written by an earlier stage of
+the same step. Prefill stages make their layer's fresh state themselves and return it.
+Running the stages in order is bit-identical to the step function (tests/test_stages.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .model import Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, step_inputs
+from .steps import init_state, state_layout
+
+DATA = {"prefill": ("tokens", "valid_len"), "decode": ("tokens", "pos")}
+
+
+@dataclass
+class Stage:
+    """One stage of a step: `module(*inputs) -> outputs`, wired by name.
+
+    name: "embed", "layers.L.engram", "layers.L" or "head"; kind: the structural key (stages of one
+    kind and step shape share an executable); inputs / outputs: wiring names, positional (probe
+    outputs last, named "probe.<captured name>"); layer: the layer index (None for embed / head).
+    """
+
+    name: str
+    kind: str
+    module: nn.Module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    layer: int | None = None
+
+
+def block_kind(cfg: ModelConfig, layer: int) -> str:
+    """The structural key of block `layer`: compress ratio, and whether it is a kv source (owns a
+    compressed cache), an index source (runs an indexer), the candidate source, or an index source
+    filtered by candidates. Blocks with equal keys trace to the same graph."""
+    r = cfg.compress_ratios[layer]
+    parts = [f"block_r{r}"]
+    if r:
+        if layer in cfg.kv_source_layers:
+            parts.append("kv")
+        if layer in cfg.index_source_layers:
+            parts.append("index")
+            if layer == cfg.candidate_source_layer:
+                parts.append("candsrc")
+            elif 0 <= cfg.candidate_source_layer < layer:
+                parts.append("candfilter")
+    return "_".join(parts)
+
+
+def _own_state(cfg: ModelConfig, layer: int, batch: int, capacity: int) -> list[str]:
+    """Names of layer `layer`'s own state tensors, in state-layout order."""
+    return [n for n in state_layout(cfg, batch, capacity) if n.startswith(f"layers.{layer}.")]
+
+
+def _shared_inputs(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """{shared key: wiring name} a block reads from earlier layers (graphs.model Attention `shared`)."""
+    r = cfg.compress_ratios[layer]
+    out: dict[str, str] = {}
+    if not r:
+        return out
+    kv = cfg.kv_source_of(layer)
+    if kv != layer:
+        out["compress_kv"] = f"layers.{kv}.compress_kv"
+        if layer in cfg.index_source_layers:
+            out["index_k"] = f"layers.{kv}.index_k"
+    if layer not in cfg.index_source_layers:
+        out["topk_idxs"] = f"layers.{cfg.index_source_of(layer)}.topk_idxs"
+    elif 0 <= cfg.candidate_source_layer < layer:
+        out["candidates"] = f"layers.{cfg.candidate_source_layer}.candidates"
+    return out
+
+
+def _shared_outputs(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """{shared key: wiring name} a block publishes for later layers besides its state."""
+    out: dict[str, str] = {}
+    if cfg.compress_ratios[layer] and layer in cfg.index_source_layers:
+        out["topk_idxs"] = f"layers.{layer}.topk_idxs"
+        if layer == cfg.candidate_source_layer:
+            out["candidates"] = f"layers.{layer}.candidates"
+    return out
+
+
+class _Captures(nn.Module):
+    """Stage modules whose forward may also return captured tensors (probe bundles): with `probes`
+    set, forward returns the captured tensors after its outputs, in the order of the first call
+    (which fixes `probe_names`; `trace_stages` makes that call on fake tensors)."""
+
+    probes: bool = False
+    probe_names: tuple[str, ...] | None = None
+    #: the GEMM order the stage runs or traces with (graphs.model.gemm_order)
+    order: str = "ascending"
+
+    def forward(self, *inputs: torch.Tensor):
+        with gemm_order(self.order):
+            return self.run(*inputs)
+
+    def _capture(self) -> Capture | None:
+        return Capture() if self.probes else None
+
+    def _finish(self, outs: tuple[torch.Tensor, ...], cap: Capture | None) -> tuple[torch.Tensor, ...]:
+        if cap is None:
+            return outs
+        if self.probe_names is None:
+            self.probe_names = tuple(cap.tensors)
+        return (*outs, *[cap.tensors[n] for n in self.probe_names])
+
+
+class EmbedStage(_Captures):
+    """tokens [B, S] -> (h, pre_mix)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.embed, self.hc = model.embed, model.cfg.hc_mult
+
+    def run(self, tokens: torch.Tensor):
+        return self._finish(embed_stream(self.embed, self.hc, tokens), self._capture())  # captures nothing
+
+
+class EngramStage(_Captures):
+    """(h, engram_ids.e [B, S, C]) -> h: the engram of layer `layer`."""
+
+    def __init__(self, model: Transformer, layer: int):
+        super().__init__()
+        self.engram, self.layer = model.layers[layer].engram, layer
+
+    def run(self, h: torch.Tensor, hash_ids: torch.Tensor):
+        cap = self._capture()
+        return self._finish((engram_at(self.engram, self.layer, h, hash_ids, cap),), cap)
+
+
+class BlockStage(_Captures):
+    """Block `layer` of a prefill or decode step. It holds the block without its engram (a stage
+    of its own) and the RoPE tables, so blocks of one kind have the same parameters and buffers.
+
+    forward(h, pre_mix, valid_len | pos, *own state (decode only), *shared inputs)
+        -> (h, pre_mix, *own state, *shared outputs, *probes)
+    """
+
+    def __init__(self, model: Transformer, layer: int, step: str, batch: int, capacity: int):
+        super().__init__()
+        cfg = model.cfg
+        self.cfg, self.layer, self.step, self.capacity = cfg, layer, step, capacity
+        block = copy.copy(model.layers[layer])  # shares every parameter; drops only the engram
+        block._modules = {k: v for k, v in block._modules.items() if k != "engram"}
+        block.engram = None
+        self.block = block
+        for name in ("rope_cos_0", "rope_sin_0", "rope_cos_1", "rope_sin_1"):
+            self.register_buffer(name, getattr(model, name), persistent=False)
+        self.state_names = _own_state(cfg, layer, batch, capacity)
+        self.shared_in = _shared_inputs(cfg, layer)
+        self.shared_out = _shared_outputs(cfg, layer)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        own = tuple(self.state_names) if self.step == "decode" else ()
+        return ("h", "pre_mix", DATA[self.step][1], *own, *self.shared_in.values())
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return ("h", "pre_mix", *self.state_names, *self.shared_out.values())
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, lens: torch.Tensor, *rest: torch.Tensor):
+        B, S = h.shape[:2]
+        cap = self._capture()
+        if self.step == "prefill":
+            positions = torch.arange(S, device=h.device).unsqueeze(0).expand(B, S)
+            ctx = step_inputs(self, S, positions, lens, None, cap)
+            fresh = init_state(self.cfg, B, self.capacity, h.device)
+            state = {n: fresh[n] for n in self.state_names}
+        else:
+            ctx = step_inputs(self, 1, lens.unsqueeze(1), None, lens, cap)
+            state = dict(zip(self.state_names, rest[:len(self.state_names)]))
+            rest = rest[len(self.state_names):]
+        shared = dict(zip(self.shared_in, rest))
+        new: dict[str, torch.Tensor] = {}
+        h, pre_mix = self.block(h, pre_mix, ctx, state, new, shared, routed=False)
+        outs = (h, pre_mix, *[new.get(n, state[n]) for n in self.state_names], *[shared[k] for k in self.shared_out])
+        return self._finish(outs, cap)
+
+
+class HeadStage(_Captures):
+    """(h, pre_mix, valid_len | pos) -> logits [B, V] at each row's last position of the call."""
+
+    def __init__(self, model: Transformer, step: str):
+        super().__init__()
+        self.norm, self.head, self.step = model.norm, model.head, step
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, lens: torch.Tensor):
+        cap = self._capture()
+        last = lens - 1 if self.step == "prefill" else torch.zeros_like(lens)
+        return self._finish((head_logits(self.norm, self.head, h, pre_mix, last, cap),), cap)
+
+
+def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending") -> list[Stage]:
+    """The stages of a prefill or decode step of `model` at (batch, capacity), in run order, each
+    running with GEMM order `order` (the golden's "ascending" by default; the compiled steps trace
+    theirs). Raises ValueError for an unknown step."""
+    if step not in DATA:
+        raise ValueError(f"build_stages: step must be prefill or decode, got {step!r}")
+    cfg = model.cfg
+    lens = DATA[step][1]
+    stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"))]
+    for L in range(cfg.n_layers):
+        if model.layers[L].engram is not None:
+            e = cfg.engram_layer_ids.index(L)
+            stages.append(Stage(f"layers.{L}.engram", "engram", EngramStage(model, L), ("h", f"engram_ids.{e}"), ("h",), L))
+        block = BlockStage(model, L, step, batch, capacity)
+        stages.append(Stage(f"layers.{L}", block_kind(cfg, L), block, block.input_names, block.output_names, L))
+    stages.append(Stage("head", "head", HeadStage(model, step), ("h", "pre_mix", lens), ("logits",)))
+    for st in stages:
+        st.module.order = order
+    return stages
+
+
+def with_probes(stages: list[Stage]) -> list[Stage]:
+    """The stages with probe outputs on: each stage's outputs gain "probe.<captured name>" after
+    its own, once `trace_stages` has fixed the names."""
+    for st in stages:
+        st.module.probes = True
+    return stages
+
+
+def trace_stages(stages: list[Stage], env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run the stages on fake tensors made from `env` (no arithmetic; shapes and dtypes only) and
+    return every wiring value's fake tensor. Fixes each probing stage's probe names and appends
+    them to its outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # static input shapes (env's); the shape env is there for data-dependent sizes (routed MoE)
+    with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode:
+        values = {n: mode.from_tensor(t, static_shapes=True) for n, t in env.items()}
+        for st in stages:
+            outs = st.module(*[values[n] for n in st.inputs])
+            if st.module.probes:
+                own = tuple(n for n in st.outputs if not n.startswith("probe."))
+                st.outputs = own + tuple("probe." + n for n in st.module.probe_names)
+            values.update(zip(st.outputs, outs))
+    return values
+
+
+def step_outputs(cfg: ModelConfig, batch: int, capacity: int) -> tuple[str, ...]:
+    """What a staged step returns, as the single-graph steps do: logits, then the state."""
+    return ("logits", *state_layout(cfg, batch, capacity))
+
+
+def split_engram_ids(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """engram_ids int64 [B, S, E, C] -> {"engram_ids.e": [B, S, C] contiguous} per engram layer e
+    (the e-th entry of engram_layer_ids)."""
+    return {f"engram_ids.{e}": engram_ids[:, :, e].contiguous() for e in range(engram_ids.shape[2])}
+
+
+def run_stages(stages: list[Stage], env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run `stages` eagerly in order on the wiring values `env` (data inputs, and the state for a
+    decode step); returns env with every stage output added (later writes of a name win)."""
+    env = dict(env)
+    for st in stages:
+        outs = st.module(*[env[n] for n in st.inputs])
+        env.update(zip(st.outputs, outs))
+    return env

@@ -1,0 +1,367 @@
+// dsneuron::gemm_panels / gemm_panels_segments: block-scaled GEMM with a fixed summation order.
+//
+// Contract (cpu_gemm.py holds the full text and the torch reference gemm_panels_ref):
+//   out[m, n] = sum over K blocks b ascending of partial_b, acc = 0, acc = acc + partial_b (fp32),
+//   partial_b = fma chain over the 32 k of block b ascending, starting from 0,
+// with w[n, k] the exact dequantised weight. Each SIMD lane is one output column (simd.h), each
+// output element is computed by one thread from start to end, and the same scalar sequence of
+// operations runs whatever the row count, the tile that holds the row, the thread count or the
+// ISA: tiles only choose how many rows and blocks are in flight, never the order within an element.
+//
+// Kernels, per 16-column panel:
+//   rows <= 6   (bf16: 12) decode on the fly from the checkpoint bytes, per 6-row tile (tile_direct):
+//               one row keeps 4 blocks' partial chains in flight, two rows 2, so the fma latency is
+//               hidden; the next panel is prefetched meanwhile (M = 1 streams the weight once);
+//   more rows   decode the panel once into a [K][16] fp32 buffer (L2-resident; fp32 weights are used
+//               in place), then 6 x 16 register tiles (tile_buf): 12 accumulators hold the block
+//               partials, the running acc lives in the 6 x 16 C tile in L1 and takes one add per
+//               block. With >= 8 panels, a is first packed into 6-row tiles [K][6].
+// Bindings use torch's stable C ABI (torch/csrc/stable, TORCH_TARGET_VERSION 2.10): its headers
+// compile in seconds where torch/library.h takes ~15 s. Argument errors throw std::invalid_argument,
+// which reaches Python as ValueError. Build: -O3 -ffp-contract=off, plus -mavx2 -mfma -mf16c for the
+// AVX2 layer; -DDSN_NS names the op namespace (dsneuron, or another one for a second variant loaded
+// next to it in tests).
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+#ifndef DSN_NS
+#error "build with -DDSN_NS=<op namespace>"
+#endif
+
+namespace dsn {
+namespace {
+
+constexpr int64_t kPanel = 16;  // output rows per prepared panel = 2 vectors of 8 lanes
+constexpr int64_t kBlock = 32;  // k per block partial (the UE8M0 scale block)
+constexpr int kTile = 6;        // rows per register tile: 6 x 2 accumulators + 2 weights + 1 broadcast <= 16 ymm
+// Panels from which on a is packed into tiles for the decoded-panel kernel: packing costs about 1.5
+// panels' work and makes each panel ~1.3x faster (measured at K = 256..4096, M = 172..715)
+constexpr int64_t kPackPanels = 8;
+enum Fmt : int64_t { FP8 = 0, FP4 = 1, BF16 = 2, FP32 = 3 };
+const char* const kFmtName[] = {"fp8", "fp4", "bf16", "fp32"};
+
+// Rows up to which a panel is decoded on the fly for each 6-row tile rather than once into a buffer:
+// decoding bf16 again is cheaper than the buffer's round trip, decoding fp8 / fp4 is not (measured)
+constexpr int64_t direct_rows(int64_t fmt) { return fmt == BF16 ? 2 * kTile : kTile; }
+
+// c[m][0..15] = c[m] + p[m]: the acc = acc + partial_b step (c starts at 0)
+template <int M>
+inline void add_partials(float* c, const V (&p)[M][2]) {
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) vstore(c + m * kPanel + 8 * h, vadd(vload(c + m * kPanel + 8 * h), p[m][h]));
+}
+
+// bytes from a panel's start to the next panel's (adjacent in memory)
+template <class D>
+int64_t panel_bytes(const D& d, int64_t kb) {
+  return static_cast<const char*>(d.row_ptr(kb * kBlock)) - static_cast<const char*>(d.row_ptr(0));
+}
+
+// NB consecutive blocks b0.. of M rows of a (row stride lda), weights decoded on the fly; the
+// partials go into c in ascending block order. Prefetches the next panel, `next` bytes on.
+template <int M, int NB, class D>
+inline void group_direct(const D& d, const float* a, int64_t lda, int64_t b0, int64_t next, float* c) {
+  typename D::Blk st[NB];
+  for (int i = 0; i < NB; ++i) st[i] = d.block(b0 + i);
+  V p[NB][M][2];
+  for (auto& pi : p)
+    for (auto& pm : pi) pm[0] = pm[1] = vzero();
+  for (int j = 0; j < kBlock; j += D::R) {
+#pragma GCC unroll 4
+    for (int i = 0; i < NB; ++i) {
+      const int64_t k = (b0 + i) * kBlock + j;
+      V w[2 * D::R];
+      d.rows(st[i], k, w);
+      prefetch(d.row_ptr(k), next);  // the same row of the next panel: its load overlaps this math
+      for (int r = 0; r < D::R; ++r)
+        for (int m = 0; m < M; ++m) {
+          const V x = vbcast(a + m * lda + k + r);
+          p[i][m][0] = vfma(x, w[2 * r], p[i][m][0]);
+          p[i][m][1] = vfma(x, w[2 * r + 1], p[i][m][1]);
+        }
+    }
+  }
+  for (int i = 0; i < NB; ++i) add_partials<M>(c, p[i]);
+}
+
+template <int M, class D>
+void tile_direct(const D& d, const float* a, int64_t lda, int64_t kb, float* c) {
+  constexpr int NB = M == 1 ? 4 : M == 2 ? 2 : 1;  // keep >= 8 independent fma chains
+  const int64_t next = panel_bytes(d, kb);
+  int64_t b = 0;
+  for (; b + NB <= kb; b += NB) group_direct<M, NB>(d, a, lda, b, next, c);
+  for (; b < kb; ++b) group_direct<M, 1>(d, a, lda, b, next, c);
+}
+
+// M rows against a decoded panel w [K][16]; a is one packed tile [K][6] (kPacked) or rows of stride lda
+template <int M, bool kPacked>
+void tile_buf(const float* a, int64_t lda, const float* w, int64_t kb, float* c) {
+  for (int64_t b = 0; b < kb; ++b) {
+    V p[M][2];
+    for (auto& pm : p) pm[0] = pm[1] = vzero();
+    const float* ab = a + b * kBlock * (kPacked ? kTile : 1);
+    const float* wb = w + b * kBlock * kPanel;
+#pragma GCC unroll 8
+    for (int j = 0; j < kBlock; ++j) {
+      const V w0 = vload(wb + j * kPanel), w1 = vload(wb + j * kPanel + 8);
+      for (int m = 0; m < M; ++m) {
+        const V x = vbcast(ab + (kPacked ? j * kTile + m : m * lda + j));
+        p[m][0] = vfma(x, w0, p[m][0]);
+        p[m][1] = vfma(x, w1, p[m][1]);
+      }
+    }
+    add_partials<M>(c, p);
+  }
+}
+
+// the panel's exact fp32 weights -> buf [K][16]; prefetches the next panel, whose loads then overlap
+// the tiles' math on this one
+template <class D>
+void decode_panel(const D& d, int64_t kb, float* buf) {
+  const int64_t next = panel_bytes(d, kb);
+  for (int64_t b = 0; b < kb; ++b) {
+    const auto st = d.block(b);
+    for (int64_t k = b * kBlock; k < (b + 1) * kBlock; k += D::R) {
+      V w[2 * D::R];
+      d.rows(st, k, w);
+      prefetch(d.row_ptr(k), next);
+      for (int r = 0; r < D::R; ++r) {
+        vstore(buf + (k + r) * kPanel, w[2 * r]);
+        vstore(buf + (k + r) * kPanel + 8, w[2 * r + 1]);
+      }
+    }
+  }
+}
+
+template <class D> const float* values_in_place(const D&) { return nullptr; }
+const float* values_in_place(const Fp32& d) { return d.val; }
+
+template <class F>
+void by_rows(int mr, F&& f) {
+  switch (mr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// `rows` rows of a (row stride K, or packed as tiles [K][6] when `packed`) against one panel ->
+// out[rows][cols] (row stride ldo), decoded on the fly (`direct`) or once into buf (K*16 floats)
+template <class D>
+void run_panel(const D& d, const float* a, bool packed, bool direct, int64_t K, int64_t rows, float* out, int64_t ldo,
+               int64_t cols, float* buf) {
+  const int64_t kb = K / kBlock;
+  const float* w = nullptr;
+  if (!direct && !(w = values_in_place(d))) {
+    decode_panel(d, kb, buf);
+    w = buf;
+  }
+  alignas(64) float c[kTile * kPanel];
+  for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
+    const int mr = int(std::min<int64_t>(kTile, rows - m0));
+    std::fill(c, c + kTile * kPanel, 0.0f);
+    const float* am = a + m0 * K;  // row m0, or tile m0 / 6
+    by_rows(mr, [&](auto MR) {
+      if (!w) tile_direct<MR()>(d, am, K, kb, c);
+      else if (packed) tile_buf<MR(), true>(am, K, w, kb, c);
+      else tile_buf<MR(), false>(am, K, w, kb, c);
+    });
+    for (int m = 0; m < mr; ++m) std::copy(c + m * kPanel, c + m * kPanel + cols, out + (m0 + m) * ldo);
+  }
+}
+
+template <class F>
+void with_decoder(int64_t fmt, const uint8_t* w, const float* s, int64_t K, F&& f) {
+  switch (fmt) {
+    case FP8:
+      if (fp8_needs_exact(w, s, K)) f(Fp8T<true>{w, s});
+      else f(Fp8T<false>{w, s});
+      break;
+    case FP4: f(Fp4{w, s}); break;
+    case BF16: f(Bf16{reinterpret_cast<const uint16_t*>(w)}); break;
+    default: f(Fp32{reinterpret_cast<const float*>(w)}); break;
+  }
+}
+
+using torch::stable::Tensor;
+using ST = torch::headeronly::ScalarType;
+
+template <class... A>
+[[noreturn]] void value_error(const A&... parts) {
+  std::ostringstream o;
+  (o << ... << parts);
+  throw std::invalid_argument(o.str());
+}
+#define DSN_CHECK(cond, ...) \
+  if (!(cond)) value_error(__VA_ARGS__)
+
+template <class Sizes>
+std::string shape_str(const Sizes& sizes) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) o << (i ? ", " : "") << sizes[i];
+  o << "]";
+  return o.str();
+}
+
+std::string describe(const Tensor& t) {
+  return std::string(torch::headeronly::toString(t.scalar_type())) + " " + shape_str(t.sizes()) +
+         (t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// w: [P, Kw, 16] (lead = 0) or [E, P, Kw, 16] (lead = 1); returns P
+int64_t check_weight(const char* op, const Tensor& w, const Tensor& s, int64_t fmt, int64_t K, int64_t E, int lead) {
+  DSN_CHECK(fmt >= 0 && fmt <= 3, op, ": fmt must be 0 (fp8), 1 (fp4), 2 (bf16) or 3 (fp32), got ", fmt);
+  const ST want = fmt == BF16 ? ST::BFloat16 : fmt == FP32 ? ST::Float : ST::Byte;
+  const int64_t kw = fmt == FP4 ? K / 2 : K;
+  DSN_CHECK(w.dim() == 3 + lead && w.scalar_type() == want && w.is_contiguous() && (!lead || w.size(0) == E) &&
+                w.size(lead + 1) == kw && w.size(lead + 2) == kPanel,
+            op, ": w must be a contiguous ", torch::headeronly::toString(want), " tensor [", lead ? "E, " : "", "P, ",
+            fmt == FP4 ? "K/2=" : "K=", kw, ", 16] for fmt ", fmt, " (", kFmtName[fmt], ")",
+            lead ? " with E = offsets.numel() - 1 = " + std::to_string(E) : "", ", got ", describe(w));
+  const int64_t P = w.size(lead);
+  if (fmt == FP8 || fmt == FP4) {
+    std::vector<int64_t> shape;
+    if (lead) shape.push_back(E);
+    shape.insert(shape.end(), {P, K / kBlock});
+    if (fmt == FP4) shape.push_back(kPanel);
+    const auto got = s.sizes();
+    const bool ok = std::equal(shape.begin(), shape.end(), got.begin(), got.end());
+    DSN_CHECK(s.scalar_type() == ST::Float && s.is_contiguous() && ok, op, ": w_scale must be a contiguous Float ",
+              "tensor ", shape_str(shape), " for fmt ", fmt, " (", kFmtName[fmt], ") and w ", shape_str(w.sizes()),
+              ", got ", describe(s));
+  } else {
+    DSN_CHECK(s.numel() == 0, op, ": w_scale must be empty for fmt ", fmt, " (", kFmtName[fmt], "), got ", describe(s));
+  }
+  return P;
+}
+
+void check_n(const char* op, int64_t n, int64_t P) {
+  DSN_CHECK(P == 0 ? n == 0 : (n > kPanel * (P - 1) && n <= kPanel * P), op, ": n must be in (16*(P-1), 16*P] = (",
+            kPanel * (P - 1), ", ", kPanel * P, "] for w with P = ", P, " panels, got ", n);
+}
+
+int64_t check_a(const char* op, const Tensor& a) {
+  DSN_CHECK(a.dim() == 2 && a.scalar_type() == ST::Float, op, ": a must be a Float tensor [M, K], got ", describe(a));
+  const int64_t K = a.size(1);
+  DSN_CHECK(K > 0 && K % kBlock == 0, op, ": K = a.size(1) must be a positive multiple of 32, got ", K);
+  return K;
+}
+
+struct Item { int64_t e, p, r0, r1; };
+
+// seg: row offsets of the E experts (one expert for gemm_panels); lead: 1 when w / s are stacked
+Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s, int64_t fmt,
+           int64_t n, int lead) {
+  const Tensor a = a_in.is_contiguous() ? a_in : torch::stable::contiguous(a_in);
+  const int64_t R = a.size(0), K = a.size(1), P = w.size(lead), E = int64_t(seg.size()) - 1;
+  Tensor out = torch::stable::new_empty(a, {R, n});
+  if (R == 0 || n == 0) return out;
+  // work items; rows are split (in whole tiles) only when the panels alone cannot feed the threads
+  const int64_t nth = torch::stable::get_num_threads();
+  int64_t busy = 0;
+  for (int64_t e = 0; e < E; ++e) busy += (seg[e + 1] > seg[e]) * P;
+  const int64_t split = busy == 0 ? 1 : std::max<int64_t>(1, (4 * nth + busy - 1) / busy);
+  std::vector<Item> items;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = seg[e + 1] - seg[e];
+    if (rows == 0) continue;
+    const int64_t chunk = std::max<int64_t>(kTile, ((rows + split - 1) / split + kTile - 1) / kTile * kTile);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t r0 = seg[e]; r0 < seg[e + 1]; r0 += chunk)
+        items.push_back({e, p, r0, std::min(r0 + chunk, seg[e + 1])});
+  }
+  // with enough panels, the experts with more than one tile get a packed into tiles of 6 rows
+  // [K][6] (tile t at ap + t*K*6), so a tile's 6 broadcasts per k are one contiguous run; padding
+  // rows of a last tile are never read
+  const bool pack = P >= kPackPanels;
+  std::vector<int64_t> tile0(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = seg[e + 1] - seg[e];
+    tile0[e + 1] = tile0[e] + (pack && rows > direct_rows(fmt) ? (rows + kTile - 1) / kTile : 0);
+  }
+  std::unique_ptr<float[]> ap(new float[tile0[E] * K * kTile]);
+  const float* ab = static_cast<const float*>(a.const_data_ptr());
+  torch::stable::parallel_for(0, tile0[E], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t e = std::upper_bound(tile0.begin(), tile0.end(), t) - tile0.begin() - 1;
+      const int64_t r0 = seg[e] + (t - tile0[e]) * kTile, mr = std::min<int64_t>(kTile, seg[e + 1] - r0);
+      float* dst = ap.get() + t * K * kTile;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < mr; ++m) dst[k * kTile + m] = ab[(r0 + m) * K + k];
+    }
+  });
+  const auto* wb = static_cast<const uint8_t*>(w.const_data_ptr());
+  const float* sb = s.numel() ? static_cast<const float*>(s.const_data_ptr()) : nullptr;
+  const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
+  const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
+  float* ob = static_cast<float*>(out.mutable_data_ptr());
+  torch::stable::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> buf;  // the decoded panel, from the first item that needs one
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      if (!buf && fmt != FP32 && it.r1 - it.r0 > direct_rows(fmt)) buf.reset(new float[K * kPanel]);
+      const int64_t cols = std::min(kPanel, n - it.p * kPanel);
+      // chunks that decode on the fly read a in place
+      const bool direct = it.r1 - it.r0 <= direct_rows(fmt);
+      const bool packed = tile0[it.e + 1] > tile0[it.e] && !direct;
+      const float* at = packed ? ap.get() + (tile0[it.e] + (it.r0 - seg[it.e]) / kTile) * K * kTile : ab + it.r0 * K;
+      const float* sp = sb ? sb + it.e * ses + it.p * sps : nullptr;
+      with_decoder(fmt, wb + it.e * wes + it.p * wps, sp, K, [&](const auto& d) {
+        run_panel(d, at, packed, direct, K, it.r1 - it.r0, ob + it.r0 * n + it.p * kPanel, n, cols, buf.get());
+      });
+    }
+  });
+  return out;
+}
+
+Tensor gemm_panels(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
+  const int64_t K = check_a("gemm_panels", a);
+  check_n("gemm_panels", n, check_weight("gemm_panels", w, w_scale, fmt, K, 1, 0));
+  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0);
+}
+
+Tensor gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
+  const char* op = "gemm_panels_segments";
+  const int64_t K = check_a(op, a), R = a.size(0);
+  DSN_CHECK(offsets.dim() == 1 && offsets.scalar_type() == ST::Long && offsets.numel() >= 1, op,
+            ": offsets must be a Long tensor [E+1], got ", describe(offsets));
+  const Tensor off = offsets.is_contiguous() ? offsets : torch::stable::contiguous(offsets);
+  const auto* o = static_cast<const int64_t*>(off.const_data_ptr());
+  const std::vector<int64_t> seg(o, o + off.numel());
+  const int64_t E = int64_t(seg.size()) - 1;
+  DSN_CHECK(seg.front() == 0 && seg.back() == R, op, ": offsets must start at 0 and end at R = a.size(0) = ", R,
+            ", got ", seg.front(), " and ", seg.back());
+  for (int64_t e = 0; e < E; ++e)
+    DSN_CHECK(seg[e] <= seg[e + 1], op, ": offsets must be non-decreasing, got offsets[", e, "] = ", seg[e],
+              " > offsets[", e + 1, "] = ", seg[e + 1]);
+  check_n(op, n, check_weight(op, w, w_scale, fmt, K, E, 1));
+  return run(a, seg, w, w_scale, fmt, n, 1);
+}
+
+}  // namespace
+}  // namespace dsn
+
+STABLE_TORCH_LIBRARY_FRAGMENT(DSN_NS, m) {
+  m.def("gemm_panels(Tensor a, Tensor w, Tensor w_scale, int fmt, int n) -> Tensor");
+  m.def("gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int fmt, int n) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(DSN_NS, CPU, m) {
+  m.impl("gemm_panels", TORCH_BOX(&dsn::gemm_panels));
+  m.impl("gemm_panels_segments", TORCH_BOX(&dsn::gemm_panels_segments));
+}

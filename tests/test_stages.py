@@ -1,0 +1,68 @@
+"""The staged steps (graphs/stages.py) against the single-graph steps (graphs/steps.py) on micro:
+running the stages in order must give the same logits and state bit for bit, and stages of one
+kind must trace to one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsneuron.graphs import stages as st
+from dsneuron.graphs.steps import decode, prefill
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 128000, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("L", [5, 16, 23])
+def test_staged_prefill_and_decode_equal_the_steps(micro_golden, L):
+    g = micro_golden
+    m = g.model
+    ids = _tokens(L + 2, L)
+    eng = g.engram_ids(ids)
+    logits, state = prefill(m, ids[:, :L], torch.tensor([L]), eng[:, :L])
+    env = st.run_stages(st.build_stages(m, "prefill", 1, m.max_seq_len),
+                        {"tokens": ids[:, :L], "valid_len": torch.tensor([L]), **st.split_engram_ids(eng[:, :L])})
+    assert torch.equal(env["logits"], logits)
+    for name, t in state.items():
+        assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), name
+    for p in (L, L + 1):
+        logits, state = decode(m, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state)
+        env = st.run_stages(st.build_stages(m, "decode", 1, m.max_seq_len),
+                            {**{n: env[n] for n in state}, "tokens": ids[:, p:p + 1], "pos": torch.tensor([p]),
+                             **st.split_engram_ids(eng[:, p:p + 1])})
+        assert torch.equal(env["logits"], logits), p
+        for name, t in state.items():
+            assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), (p, name)
+
+
+def test_block_kinds_name_the_distinct_structures(micro_cfg):
+    from dsneuron.compiler.config import load_config
+
+    kinds = [st.block_kind(micro_cfg, L) for L in range(micro_cfg.n_layers)]
+    assert kinds == ["block_r0", "block_r2_kv_index", "block_r2", "block_r1_kv_index_candsrc", "block_r1",
+                     "block_r1_index_candfilter"]
+    tiny = load_config("tiny")[0]
+    assert len({st.block_kind(tiny, L) for L in range(tiny.n_layers)}) == 6
+
+
+def test_staged_probes_are_the_step_captures(micro_golden):
+    """With probes on, the stages return every stage tensor the single-graph prefill captures,
+    under the same names and bit for bit (a probe bundle's compare tables rely on them)."""
+    from dsneuron.graphs.model import Capture
+
+    g, L = micro_golden, 9
+    m = g.model
+    ids = _tokens(L, 3)
+    eng = g.engram_ids(ids)
+    cap = Capture()
+    prefill(m, ids, torch.tensor([L]), eng, cap)
+    stages = st.with_probes(st.build_stages(m, "prefill", 1, m.max_seq_len))
+    env = {"tokens": ids, "valid_len": torch.tensor([L]), **st.split_engram_ids(eng)}
+    st.trace_stages(stages, env)
+    out = st.run_stages(stages, env)
+    probes = {n[len("probe."):]: t for n, t in out.items() if n.startswith("probe.")}
+    assert probes.keys() == cap.tensors.keys()
+    for name, t in cap.tensors.items():
+        assert torch.equal(probes[name].nan_to_num(), t.nan_to_num()), name
