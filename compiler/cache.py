@@ -152,6 +152,17 @@ def source_digest(*folders: Path, exclude: Callable[[Path], bool] | None = None)
     return h.hexdigest()
 
 
+def _valid_artifact(entry: Path) -> Path | None:
+    """The artifact of a cache entry folder when its marker matches it (name, size, sha256), else None."""
+    try:
+        marker = json.loads((entry / MARKER).read_text())
+        artifact = entry / marker["artifact"]
+        ok = artifact.is_file() and artifact.stat().st_size == marker["size"] and file_sha256(artifact) == marker["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    return artifact if ok else None
+
+
 class CompileCache:
     """get/put of compiled artifacts by key under `root` (created on first put)."""
 
@@ -168,14 +179,8 @@ class CompileCache:
     def get(self, key: str) -> Path | None:
         """The cached artifact of `key`, or None. Counts a hit or a miss; an entry whose marker is
         missing or does not match its artifact is a miss."""
-        entry = self._entry(key)
-        try:
-            marker = json.loads((entry / MARKER).read_text())
-            artifact = entry / marker["artifact"]
-            ok = artifact.is_file() and artifact.stat().st_size == marker["size"] and file_sha256(artifact) == marker["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
-            ok = False
-        if ok:
+        artifact = _valid_artifact(self._entry(key))
+        if artifact is not None:
             self.hits += 1
             return artifact
         self.misses += 1
@@ -192,8 +197,15 @@ class CompileCache:
             marker = {"artifact": artifact.name, "size": (tmp / artifact.name).stat().st_size,
                       "sha256": file_sha256(tmp / artifact.name)}
             (tmp / MARKER).write_text(json.dumps(marker))
-            if entry.exists() and not (entry / MARKER).is_file():
-                shutil.rmtree(entry, ignore_errors=True)  # a leftover without marker is no entry
+            if entry.exists() and _valid_artifact(entry) is None:
+                # a leftover or a corrupted entry: renamed away first (one rename, so a concurrent
+                # compile sees either it or none), then replaced by this complete one
+                stale = entry.parent / f".stale.{key[:16]}.{uuid.uuid4().hex[:8]}"
+                try:
+                    os.rename(entry, stale)
+                except OSError:  # another process moved or replaced it already
+                    pass
+                shutil.rmtree(stale, ignore_errors=True)
             try:
                 os.rename(tmp, entry)
             except OSError:  # another process renamed its complete entry first

@@ -321,7 +321,35 @@ def _weights_digest(weights: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
 
 
-def _progress(console: Console) -> Progress:
+class _LogProgress:
+    """Progress for a console that is not a terminal (nohup, CI, `> log`): one flushed line per
+    status change as it happens, where rich's live display would print only at the end."""
+
+    def __init__(self, console: Console):
+        self.console, self.names, self.status = console, [], []
+
+    def __enter__(self) -> "_LogProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def add_task(self, description: str, status: str, total: int = 1) -> int:
+        self.names.append(description)
+        self.status.append(None)
+        self.update(len(self.names) - 1, status=status)
+        return len(self.names) - 1
+
+    def update(self, task: int, status: str | None = None, completed: int | None = None) -> None:
+        if status is not None and status != self.status[task]:
+            self.status[task] = status
+            self.console.print(f"{self.names[task]}: {status}", highlight=False, soft_wrap=True)
+            self.console.file.flush()
+
+
+def _progress(console: Console) -> Progress | _LogProgress:
+    if not console.is_terminal:
+        return _LogProgress(console)
     return Progress(SpinnerColumn(), TextColumn("{task.description:<18}"), TextColumn("{task.fields[status]}"),
                     TimeElapsedColumn(), console=console, transient=False)
 

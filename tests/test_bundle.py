@@ -532,3 +532,20 @@ def test_treespec_deprecation_is_hidden_only_inside_the_backend_compile(tmp_path
         (FutureWarning, "some other future change"), (DeprecationWarning, "`isinstance(treespec, LeafSpec"),
         (FutureWarning, "`isinstance(treespec, LeafSpec")]
     assert (tmp_path / "m.pt2").read_bytes() == b"pt2"
+
+
+def test_compile_without_a_terminal_logs_each_event_as_a_line(tmp_path):
+    """Piped or logged (no terminal), compile prints one plain line per bucket event, as it happens,
+    instead of rich's live display (which shows only at the end there)."""
+    src, kit = stand_in.shared_bundle()
+    log = io.StringIO()
+    console = Console(file=log, width=300)
+    assert not console.is_terminal
+    pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / "again", kit.parts, cache_dir=src.parent / "cache",
+                            console=console)
+    lines = log.getvalue().splitlines()
+    labels = [pb.label for pb in pipeline.plan_buckets(kit.compile_cfg, kit.model_cfg).buckets]
+    for label in labels:
+        assert f"{label}: waiting" in lines and any(ln.startswith(f"{label}: cached") for ln in lines), lines
+    assert not any(ch in log.getvalue() for ch in "⠋⠙⠹━"), "no spinner or bar characters in a log"
+    assert lines[-1].startswith("bundle written to")

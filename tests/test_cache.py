@@ -159,6 +159,20 @@ def test_put_get_and_completion_marker(tmp_path):
     assert (cache.hits, cache.misses) == (1, 3)
 
 
+def test_a_corrupted_entry_is_replaced_by_the_next_put(tmp_path):
+    """One flipped byte makes an entry a miss; the recompiled artifact must replace it (before, the
+    bad entry stayed and every later compile missed again)."""
+    cache = CompileCache(tmp_path / "cache")
+    art = tmp_path / "x.pt2"
+    art.write_bytes(b"executable")
+    got = cache.put(KEY, art)
+    got.write_bytes(b"executablX")
+    assert cache.get(KEY) is None
+    again = cache.put(KEY, art)
+    assert cache.get(KEY) == again and again.read_bytes() == b"executable"
+    assert [p.name for p in again.parent.parent.iterdir() if p.name.startswith(".")] == []  # no stale leftovers
+
+
 def _hammer(root: str, payload: bytes, n: int) -> None:
     cache = CompileCache(Path(root))
     art = Path(root).parent / f"art-{payload.decode()}.pt2"

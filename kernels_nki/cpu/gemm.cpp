@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "check.h"
 #include "simd.h"
 
 #ifndef DSN_NS
@@ -200,14 +201,6 @@ void with_decoder(int64_t fmt, const uint8_t* w, const float* s, int64_t K, F&& 
 using torch::stable::Tensor;
 using ST = torch::headeronly::ScalarType;
 
-template <class... A>
-[[noreturn]] void value_error(const A&... parts) {
-  std::ostringstream o;
-  (o << ... << parts);
-  throw std::invalid_argument(o.str());
-}
-#define DSN_CHECK(cond, ...) \
-  if (!(cond)) value_error(__VA_ARGS__)
 
 template <class Sizes>
 std::string shape_str(const Sizes& sizes) {

@@ -39,6 +39,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "check.h"
 #include "simd.h"
 
 #ifndef DSN_NS
@@ -394,14 +395,6 @@ void attend(const Problem& pb, int64_t r, int64_t v0, int64_t v1, Scratch& sc) {
 using torch::stable::Tensor;
 using ST = torch::headeronly::ScalarType;
 
-template <class... A>
-[[noreturn]] void value_error(const A&... parts) {
-  std::ostringstream o;
-  (o << ... << parts);
-  throw std::invalid_argument(o.str());
-}
-#define DSN_CHECK(cond, ...) \
-  if (!(cond)) value_error(__VA_ARGS__)
 
 // torch's Python spelling of the dtypes this op takes, so messages match the fake implementation's
 std::string dtype_name(ST t) {
