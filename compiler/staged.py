@@ -25,6 +25,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,13 +109,22 @@ class StagedCompile:
                 order = sorted(range(total), key=lambda i: (not self.tasks[i].kind.startswith("block"),
                                                             -len(self.tasks[i].kind)))
                 ctx = multiprocessing.get_context("fork")
-                with concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx,
-                                                            initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                pool = concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx,
+                                                              initializer=_worker_init)
+                try:
                     futures = {pool.submit(_make, i): i for i in order}
                     results = [None] * total
                     for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
                         results[futures[f]] = f.result()
                         progress(done, total)
+                except BaseException:
+                    # Ctrl-C, SIGTERM or a failed task: stop the workers now instead of letting
+                    # the pool finish (or hang on) its queue
+                    for proc in list((pool._processes or {}).values()):
+                        proc.terminate()
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+                pool.shutdown()
         finally:
             _RUNNING = None
         for task, res in zip(self.tasks, results):
@@ -155,6 +165,12 @@ class StagedCompile:
 
 #: the StagedCompile whose tasks are running, read by the forked workers
 _RUNNING: StagedCompile | None = None
+
+
+def _worker_init() -> None:
+    """A worker runs torch single-threaded and leaves Ctrl-C to the parent, which terminates it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
 
 
 def _make(i: int) -> dict[str, Any]:
