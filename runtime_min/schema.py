@@ -192,9 +192,7 @@ class Prepare:
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Prepare":
         r = _obj(raw, where)
-        fmt = _get(r, "fmt", str, where)
-        if fmt not in PREPARE_FORMATS:
-            raise BundleError(f"manifest {where}.fmt: {fmt!r} is not one of {', '.join(PREPARE_FORMATS)}")
+        fmt = _get_choice(r, "fmt", PREPARE_FORMATS, where)
         names = {}
         for key in ("weights", "scales", "outputs"):
             value = _get(r, key, list, where)
@@ -328,9 +326,7 @@ class Bucket:
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Bucket":
         r = _obj(raw, where)
-        kind = _get(r, "kind", str, where)
-        if kind not in KINDS:
-            raise BundleError(f"manifest {where}.kind: {kind!r} is not one of {', '.join(KINDS)}")
+        kind = _get_choice(r, "kind", KINDS, where)
         ints = {k: _get(r, k, int, where) for k in ("batch", "seq_len", "capacity")}
         for k, v in ints.items():
             if v <= 0:
@@ -629,6 +625,14 @@ def _obj(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise BundleError(f"manifest {where or 'top level'}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def _get_choice(r: dict[str, Any], key: str, choices: tuple[str, ...], where: str) -> str:
+    """_get of a str field that must be one of `choices`."""
+    value = _get(r, key, str, where)
+    if value not in choices:
+        raise BundleError(f"manifest {where}.{key}: {value!r} is not one of {', '.join(choices)}")
+    return value
 
 
 def _get(r: dict[str, Any], key: str, typ: type, where: str) -> Any:
