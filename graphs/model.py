@@ -71,7 +71,7 @@ from dsneuron.kernels_nki.formats import ue8m0_to_float
 
 from .config import ModelConfig
 from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear,
-                    fp4_act_quant_qdq, fp8_activation, fp8_linear, linear_fp32)
+                    fp4_act_quant_qdq, fp8_linear, linear_fp32)
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -173,6 +173,31 @@ def kernel_gemm_segments(a: torch.Tensor, offsets: torch.Tensor, owner: nn.Modul
     return cpu_gemm.gemm_segments(a, offsets, {"w": w, "w_scale": ws}, fmt, n)
 
 
+def kernel_fp8_activation(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """`fp8_activation` (FP8 QDQ, fp32 out) as one cpu kernel call: bit-identical, and one graph
+    node where the decomposed QDQ is ~35 (kernels_nki/cpu_gemm.py `fp8_act_dequant`)."""
+    from dsneuron.kernels_nki import cpu_gemm
+
+    return cpu_gemm.fp8_act_dequant(x, block)
+
+
+def fp8_qdq(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`act_quant_qdq` (x.dtype out); in GEMM order "kernel" through `kernel_fp8_activation`."""
+    if NUMERICS.gemm_order != "kernel":
+        return act_quant_qdq(x, block)
+    return kernel_fp8_activation(x, block).to(x.dtype)
+
+
+def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
+    """`fp4_act_quant_qdq` (x.dtype out); in GEMM order "kernel" as one cpu kernel call, bit-identical
+    (kernels_nki/cpu_gemm.py `fp4_act_dequant`), where the decomposed QDQ is ~40 graph nodes."""
+    if NUMERICS.gemm_order != "kernel":
+        return fp4_act_quant_qdq(x, block, scale_fmt)
+    from dsneuron.kernels_nki import cpu_gemm
+
+    return cpu_gemm.fp4_act_dequant(x, block, scale_fmt).to(x.dtype)
+
+
 def _plain_fmt(owner: nn.Module, prefix: str) -> str:
     """The kernel format of a prepared plain weight: bf16 or fp32 panels (a bf16 checkpoint weight
     the model holds as fp32 is prepared from its bf16 bytes)."""
@@ -232,7 +257,7 @@ class Linear(nn.Module):
         """forward through the cpu kernel on the prepared weight: the same activation (FP8 QDQ,
         bf16 or fp32 values) and output dtype as the other orders."""
         if self.kind in ("fp8", "fp4"):
-            y = kernel_gemm(fp8_activation(x, self.block), self, "", self.kind, self.out_features)
+            y = kernel_gemm(kernel_fp8_activation(x, self.block), self, "", self.kind, self.out_features)
         else:
             a = x.to(torch.bfloat16).float() if self.kind == "bf16" else x.float()
             y = kernel_gemm(a, self, "", _plain_fmt(self, ""), self.out_features)
@@ -471,14 +496,14 @@ class Indexer(nn.Module):
         """Index keys bf16 [B,G,ihd] from the pre-RoPE latent [B,G,hd] at the groups' positions."""
         k = self.k_norm(self.wk(latent))
         k = with_rope_tail(k, self.cfg.rope_head_dim, cos, sin)
-        return fp4_act_quant_qdq(k, 32, "ue8m0")
+        return fp4_qdq(k, 32, "ue8m0")
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """bf16 [B,S,T]: raw index scores of every query against every key slot of index_k [B,T,ihd]."""
         cfg = self.cfg
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = with_rope_tail(q, cfg.rope_head_dim, cos, sin)
-        q = fp4_act_quant_qdq(q, 32, "ue8m0")
+        q = fp4_qdq(q, 32, "ue8m0")
         w = self.weights_proj(x) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         return torch.ops.dsneuron.mqa_logits_bf16(q, index_k, w)
 
@@ -588,7 +613,7 @@ class Attention(nn.Module):
                 shared["index_k"] = new[ik_name]
             latent = with_rope_tail(latent, cfg.rope_head_dim, gcos, gsin)
             # compressed KV: FP4 e2m1 with one e4m3 scale per 16 channels (model.py _compress_kv)
-            latent = fp4_act_quant_qdq(latent, 16, "e4m3")
+            latent = fp4_qdq(latent, 16, "e4m3")
             _cap(cap, f"layers.{L}.compress_kv.entry", latent)
             new[ckv_name] = self._write(state[ckv_name], latent, write, slot0)
             shared["compress_kv"] = new[ckv_name]
@@ -673,7 +698,7 @@ class Attention(nn.Module):
         kv = self.kv_norm(self.wkv(x))
         kv = with_rope_tail(kv, rd, cos, sin)
         # window KV: FP8 over the whole post-RoPE vector, RoPE tail included (model.py _window_kv)
-        kv = act_quant_qdq(kv, cfg.fp8_block_size)
+        kv = fp8_qdq(kv, cfg.fp8_block_size)
         _cap(ctx.capture, f"layers.{L}.attn.window_kv", kv)
         keys, idx = self._window(kv, ctx, state, new)
         if self.ratio:
@@ -823,7 +848,7 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # [N*k] pairs grouped by expert
         offsets = torch.searchsorted(flat[order], torch.arange(self.n_experts + 1, device=x.device))
-        a = fp8_activation(x, 32)[order // k]  # each row's token, QDQ'd as its expert's linear does
+        a = kernel_fp8_activation(x, 32)[order // k]  # each row's token, QDQ'd as its expert's linear does
         ex = self.experts[0]
         gate = kernel_gemm_segments(a, offsets, self, "experts_w1_", "fp4", ex.w1.out_features).to(x.dtype).float()
         up = kernel_gemm_segments(a, offsets, self, "experts_w3_", "fp4", ex.w3.out_features).to(x.dtype).float()
@@ -831,7 +856,7 @@ class MoE(nn.Module):
             up = up.clamp(-ex.limit, ex.limit)
             gate = gate.clamp(max=ex.limit)
         h = w[order].unsqueeze(-1) * (F.silu(gate) * up)
-        out = kernel_gemm_segments(fp8_activation(h.to(x.dtype), 32), offsets, self, "experts_w2_", "fp4",
+        out = kernel_gemm_segments(kernel_fp8_activation(h.to(x.dtype), 32), offsets, self, "experts_w2_", "fp4",
                                    ex.w2.out_features).to(x.dtype)
         out = torch.empty_like(out).index_copy(0, order, out).view(N, k, -1)  # back to (token, its j-th expert)
         y = torch.zeros_like(x, dtype=torch.float32)

@@ -67,7 +67,7 @@ PANEL = 16
 #: k per block partial: the UE8M0 scale block of the V4.1 FP8 weights and FP4 experts.
 BLOCK = 32
 
-_SOURCES = [Path(__file__).parent / "cpu" / "gemm.cpp", Path(__file__).parent / "cpu" / "sparse_attn.cpp"]
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("gemm.cpp", "sparse_attn.cpp", "act_quant.cpp")]
 #: -ffp-contract=off: no fusing of what the source writes as a multiply and an add; the bindings use
 #: torch's stable C ABI of 2.10 (its headers compile in seconds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-DTORCH_TARGET_VERSION=0x020a000000000000"]
@@ -116,7 +116,8 @@ build(VARIANT)
 def _panels(x: torch.Tensor) -> torch.Tensor:
     """[..., N, C] -> [..., ceil(N/16), C, 16], zero rows appended."""
     n = x.shape[-2]
-    x = torch.nn.functional.pad(x, (0, 0, 0, -n % PANEL))
+    if n % PANEL:  # pad copies: the head's 0.26 GiB would be held three times at load
+        x = torch.nn.functional.pad(x, (0, 0, 0, -n % PANEL))
     return x.unflatten(-2, (-1, PANEL)).transpose(-1, -2).contiguous()
 
 
@@ -183,6 +184,48 @@ def gemm_segments(a: torch.Tensor, offsets: torch.Tensor, prepared: dict[str, to
     prepared weight [E, ...] -> fp32 [R, n]."""
     return torch.ops.dsneuron.gemm_panels_segments(a, offsets, prepared["w"], prepared["w_scale"],
                                                    FORMATS.index(fmt), n)
+
+
+def fp8_act_dequant(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The FP8 activation of a GEMM in one op (cpu/act_quant.cpp): x bf16/fp32 [..., K] -> fp32
+    [..., K] = e4m3(x / s) * s, one UE8M0 scale s per `block` contiguous elements; bit-identical
+    to graphs.quant.fp8_activation on every input (NaN and inf included). Raises ValueError for
+    another dtype or K % block != 0."""
+    return torch.ops.dsneuron.fp8_act_dequant(x, block)
+
+
+@torch.library.register_fake("dsneuron::fp8_act_dequant")
+def _fp8_act_dequant_fake(x, block):
+    return _act_dequant_fake("fp8_act_dequant", x, block)
+
+
+#: scale formats of fp4_act_dequant, by code
+FP4_SCALE_FMTS = ("ue8m0", "e4m3")
+
+
+def fp4_act_dequant(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
+    """FP4 QDQ in one op (cpu/act_quant.cpp): x bf16/fp32 [..., K] -> fp32 [..., K] = e2m1(x / s) * s,
+    one scale per `block` contiguous elements, `scale_fmt` "ue8m0" or "e4m3"; bit-identical to
+    graphs.quant.fp4_act_quant_qdq before its cast to x.dtype. Raises ValueError for another dtype,
+    K % block != 0 or an unknown scale_fmt."""
+    if scale_fmt not in FP4_SCALE_FMTS:
+        raise ValueError(f"fp4_act_dequant: scale_fmt must be one of {FP4_SCALE_FMTS}, got {scale_fmt!r}")
+    return torch.ops.dsneuron.fp4_act_dequant(x, block, FP4_SCALE_FMTS.index(scale_fmt))
+
+
+def _act_dequant_fake(fn: str, x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{fn}: x must be a bfloat16 or float32 tensor, got {x.dtype}")
+    if x.dim() < 1 or block <= 0 or x.shape[-1] % block:
+        raise ValueError(f"{fn}: K = x.size(-1) must be a multiple of block = {block}, got shape {tuple(x.shape)}")
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("dsneuron::fp4_act_dequant")
+def _fp4_act_dequant_fake(x, block, scale_fmt):
+    if scale_fmt not in (0, 1):
+        raise ValueError(f"fp4_act_dequant: scale_fmt must be 0 (ue8m0) or 1 (e4m3), got {scale_fmt}")
+    return _act_dequant_fake("fp4_act_dequant", x, block)
 
 
 def check_args(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, fmt: int, n: int,

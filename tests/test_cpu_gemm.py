@@ -7,6 +7,8 @@ grouped op equals per-expert calls. The reference's fma is itself checked agains
 Bounded: the float64 error bound (32 + K/32) * 2^-24 * sum|a w| of the two-level fp32 sum.
 Also: the prepared layout dequantises to graphs.quant's values, bad arguments raise ValueError
 naming the argument (eager C++ and fake), and an AOTInductor package calls the ops bit-identically.
+The FP8 and FP4 activation ops equal graphs.quant's fp8_activation and fp4_act_quant_qdq on every
+bf16 bit pattern and random fp32 ones.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dsneuron.graphs.quant import dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
+from dsneuron.graphs.quant import (dequant_fp4_weight, dequant_fp8_weight, fp4_act_quant_qdq, fp8_activation,
+                                  quantize_fp4_weight, quantize_fp8_weight)
 from dsneuron.kernels_nki import cpu_gemm as G
 from dsneuron.kernels_nki.formats import fp4_codes_to_float, unpack_fp4
 
@@ -339,6 +342,88 @@ def test_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     with pytest.raises(RuntimeError, match="C\\+\\+ compiler '/nonexistent/g\\+\\+'.*not found"):
         G.build("generic", "dsneuron_no_compiler")
+
+
+# ------------------------------------------------------------------------------------------ FP8 activation
+
+def _activation_cases(gen: torch.Generator):
+    """Inputs of fp8_act_dequant: every bf16 bit pattern (NaN, inf, subnormals, both zeros) in
+    order and shuffled, random fp32 bit patterns, and rows whose magnitudes span fp32."""
+    every_bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    yield every_bf16.reshape(-1, 128)
+    yield every_bf16[torch.randperm(65536, generator=gen)].reshape(-1, 128)
+    yield torch.randint(-2**31, 2**31 - 1, (256, 128), generator=gen, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    for scale in (1e-30, 1e-6, 1e-4, 1.0, 300.0, 1e30):
+        x = torch.randn(37, 256, generator=gen) * scale * torch.exp(torch.randn(37, 256, generator=gen) * 3)
+        yield x
+        yield x.to(torch.bfloat16)
+
+
+def assert_same_or_nan(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bitwise equal, any NaN equal to any NaN (the e4m3 NaN decodes to torch's canonical NaN)."""
+    same = (actual.view(torch.int32) == expected.view(torch.int32)) | (actual.isnan() & expected.isnan())
+    bad = (~same).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[0].tolist()}: " \
+                             f"{actual[tuple(bad[0])].item()!r} vs {expected[tuple(bad[0])].item()!r}"
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_act_dequant_is_the_graph_qdq(block):
+    """The C++ activation QDQ equals graphs.quant.fp8_activation bit for bit (its torch definition)."""
+    gen = torch.Generator().manual_seed(11)
+    for x in _activation_cases(gen):
+        out = G.fp8_act_dequant(x, block)
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        assert_same_or_nan(out, fp8_activation(x, block))
+    x = torch.randn(3, 5, 256, generator=gen).to(torch.bfloat16)
+    assert_same_or_nan(G.fp8_act_dequant(x.transpose(0, 1), block), fp8_activation(x.transpose(0, 1), block))
+
+
+@pytest.mark.parametrize("block, scale_fmt", [(32, "ue8m0"), (16, "e4m3"), (128, "e4m3")])
+def test_fp4_act_dequant_is_the_graph_qdq(block, scale_fmt):
+    """The C++ FP4 QDQ equals graphs.quant.fp4_act_quant_qdq bit for bit (fp32 out; cast to bf16
+    for a bf16 input, as the graph casts)."""
+    gen = torch.Generator().manual_seed(13)
+    for x in _activation_cases(gen):
+        out = G.fp4_act_dequant(x, block, scale_fmt)
+        assert out.dtype == torch.float32 and out.shape == x.shape
+        expected = fp4_act_quant_qdq(x, block, scale_fmt)
+        assert_same_or_nan(out.to(x.dtype).float(), expected.float())
+        if x.dtype == torch.float32:
+            assert_same_or_nan(out, expected)
+
+
+def test_fp8_act_dequant_isa_layers_agree(portable_ops):
+    gen = torch.Generator().manual_seed(12)
+    for x in _activation_cases(gen):
+        for block in (32, 128):
+            assert_same_or_nan(portable_ops.fp8_act_dequant(x, block), OPS.fp8_act_dequant(x, block))
+            for fmt in (0, 1):
+                assert_same_or_nan(portable_ops.fp4_act_dequant(x, block, fmt), OPS.fp4_act_dequant(x, block, fmt))
+    x = torch.randn(4, 40, generator=gen)  # block 20: the scalar path on every build
+    assert_same_or_nan(OPS.fp8_act_dequant(x, 20), fp8_activation(x, 20))
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+def test_fp8_act_dequant_bad_arguments(fake):
+    fp8, fp4 = OPS.fp8_act_dequant, (lambda x, b, fmt=0: OPS.fp4_act_dequant(x, b, fmt))
+    for op in (fp8, fp4):
+        for message, x, block in [("must be a bfloat16 or float32 tensor, got", torch.zeros(2, 32, dtype=torch.float16), 32),
+                                  ("must be a multiple of block = 32", torch.zeros(2, 40), 32)]:
+            with pytest.raises(ValueError, match=message):
+                if fake:
+                    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                        op(mode.from_tensor(x), block)
+                else:
+                    op(x, block)
+    with pytest.raises(ValueError, match=r"scale_fmt must be 0 \(ue8m0\) or 1 \(e4m3\), got 2"):
+        if fake:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fp4(mode.from_tensor(torch.zeros(2, 32)), 32, 2)
+        else:
+            fp4(torch.zeros(2, 32), 32, 2)
+    with pytest.raises(ValueError, match="scale_fmt must be one of"):
+        G.fp4_act_dequant(torch.zeros(2, 32), 32, "e8m0")
 
 
 # ------------------------------------------------------------------------------------------ AOTInductor

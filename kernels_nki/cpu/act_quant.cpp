@@ -1,0 +1,257 @@
+// dsneuron::fp8_act_dequant: the FP8 activation of the model's FP8/FP4 GEMMs, quantised and
+// dequantised in one pass (graphs/quant.py `fp8_activation`, whose result it equals bit for bit);
+// dsneuron::fp4_act_dequant: the FP4 QDQ of the indexer's q and k and of the compressed KV
+// (graphs/quant.py `fp4_act_quant_qdq`, before its cast back to x.dtype), likewise.
+//
+// Per block of `block` contiguous elements of a row (V4.1: 32), in fp32:
+//   amax = max |x| (NaN if any element is NaN), floored at fp32(1e-4)
+//   s    = 2^(e - 127), e = biased exponent of amax * fp32(1/448) plus 1 if its mantissa is nonzero,
+//          clamped to [1, 254] (UE8M0, DeepGEMM `ceil_to_ue8m0`)
+//   out  = e4m3(clamp(x / s, -448, 448)) * s, e4m3 = round to nearest even on the e4m3fn grid
+// Every step is exact or one IEEE rounding, and amax does not depend on the order of the max, so
+// the result depends on neither the ISA nor the thread count. Source: DeepSeek-V4.1-Flash:
+// inference/model.py `linear` (act_quant with ue8m0 scales); DeepSeek-V4-Pro:inference/kernel.py
+// `act_quant_kernel`. One op replaces the ~35 graph nodes of the decomposed QDQ in every linear.
+//
+// FP4, per block, in fp32: amax as above, then
+//   scale_fmt 0 (ue8m0): s = UE8M0 ceiling of max(amax, 6 * 2^-126) * fp32(1/6)
+//   scale_fmt 1 (e4m3):  s = e4m3(max(amax, 6 * 2^-9) / 6)
+//   out = e2m1(clamp(x / s, -6, 6)) * s, e2m1 = nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the
+//         even code, sign kept (-0 for small negatives)
+// Source: DeepSeek-V4.1-Flash:inference/model.py `Indexer.forward`, `Attention._compress_kv`
+// (fp4_act_quant); DeepSeek-V4-Pro:inference/kernel.py `fp4_quant_kernel`.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "check.h"
+
+#ifndef DSN_NS
+#error "build with -DDSN_NS=<op namespace>"
+#endif
+
+namespace dsn {
+namespace {
+
+using torch::stable::Tensor;
+using ST = torch::headeronly::ScalarType;
+
+constexpr float kE4m3Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;            // graphs/quant.py _FP8_AMAX_FLOOR, as fp32
+constexpr float kInvE4m3Max = 1.0f / 448.0f;   // fp32(1/448), as torch rounds the Python float
+
+inline uint32_t bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) { return from_bits(uint32_t(bf16) << 16); }
+
+// nearest-even e4m3fn value of v (|v| <= 448, or NaN, kept), as fp32
+inline float e4m3(float v) {
+  if (v != v) return v;  // a NaN's mantissa could carry into the sign bit below
+  const float a = std::fabs(v);
+  // below 2^-6 the subnormal grid, step 2^-9 (a * 2^9 is exact)
+  const float sub = std::nearbyint(a * 512.0f) * (1.0f / 512.0f);
+  // normal: keep 3 mantissa bits, ties to even; a carry moves to the next binade
+  const uint32_t u = bits(a);
+  const float normal = from_bits((u + 0x7FFFFu + ((u >> 20) & 1u)) & ~0xFFFFFu);
+  return std::copysign(a < 0.015625f ? sub : normal, v);
+}
+
+// power-of-two ceiling of an fp32 ratio as a UE8M0 scale, exponent byte clamped to [1, 254]
+inline float ue8m0_ceil(float ratio) {
+  const uint32_t u = bits(ratio);
+  int32_t e = int32_t((u >> 23) & 0xFFu) + ((u & 0x7FFFFFu) != 0);
+  e = e < 1 ? 1 : e > 254 ? 254 : e;
+  return from_bits(uint32_t(e) << 23);
+}
+
+// the FP8 activation scale of a block with maximum |x| = amax
+inline float ue8m0(float amax) {
+  return ue8m0_ceil((amax < kAmaxFloor ? kAmaxFloor : amax) * kInvE4m3Max);  // NaN stays NaN
+}
+
+// one block x[0..block) -> out, scalar
+template <class T>
+void block_scalar(const T* x, float* out, int64_t block) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < block; ++i) {
+    const float a = std::fabs(to_float(x[i]));
+    nan |= a != a;
+    amax = a > amax ? a : amax;
+  }
+  const float s = ue8m0(nan ? NAN : amax);
+  for (int64_t i = 0; i < block; ++i) {
+    float v = to_float(x[i]) / s;
+    v = v < -kE4m3Max ? -kE4m3Max : v > kE4m3Max ? kE4m3Max : v;  // NaN passes
+    out[i] = e4m3(v) * s;
+  }
+}
+
+#ifdef __AVX2__
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// block_scalar, 8 lanes at a time (block % 8 == 0); the same operations lane by lane: the max is
+// exact in any order, x * 2^-e rounds the same exact value as x / 2^e (2^-127 is an fp32
+// subnormal), and NaN lanes are passed through as block_scalar passes them
+template <class T>
+void block_avx2(const T* x, float* out, int64_t block) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < block; i += 8) {
+    const __m256 a = _mm256_and_ps(load8(x + i), abs_mask);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    amax = _mm256_max_ps(a, amax);  // a NaN lane keeps amax; nan records it
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+  const float s = ue8m0(_mm256_movemask_ps(nan) ? NAN : m);
+  const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(1.0f / s);
+  const __m256 hi = _mm256_set1_ps(kE4m3Max), lo = _mm256_set1_ps(-kE4m3Max);
+  const __m256 sub_top = _mm256_set1_ps(0.015625f), k512 = _mm256_set1_ps(512.0f), k1_512 = _mm256_set1_ps(1.0f / 512.0f);
+  const __m256i round = _mm256_set1_epi32(0x7FFFF), one = _mm256_set1_epi32(1), keep = _mm256_set1_epi32(~0xFFFFF);
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)));
+  for (int64_t i = 0; i < block; i += 8) {
+    const __m256 xv = load8(x + i);
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(xv, vinv), lo), hi);  // NaN lanes fixed below
+    const __m256 a = _mm256_and_ps(v, abs_mask);
+    const __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, k512), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k1_512);
+    const __m256i u = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), one);
+    const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, round), odd), keep));
+    __m256 r = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, sub_top, _CMP_LT_OQ));
+    r = _mm256_or_ps(r, _mm256_and_ps(v, sign));
+    r = _mm256_mul_ps(r, vs);
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(r, xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)));
+  }
+}
+#endif
+
+template <class T>
+void run_rows(const T* x, float* out, int64_t rows, int64_t K, int64_t block) {
+  torch::stable::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b0 = 0; b0 < K; b0 += block) {
+#ifdef __AVX2__
+        if (block % 8 == 0) {
+          block_avx2(x + r * K + b0, out + r * K + b0, block);
+          continue;
+        }
+#endif
+        block_scalar(x + r * K + b0, out + r * K + b0, block);
+      }
+  });
+}
+
+constexpr float kE2m1Max = 6.0f;
+constexpr float kFp4Ue8m0Floor = 6.0f * 0x1p-126f;  // graphs/quant.py _FP4_UE8M0_AMAX_FLOOR
+constexpr float kFp4E4m3Floor = 6.0f * 0x1p-9f;     // _FP4_E4M3_AMAX_FLOOR
+constexpr float kInvE2m1Max = 1.0f / 6.0f;          // fp32(1/6)
+
+// nearest e2m1 value of v in [-6, 6] (or NaN), ties to the even code: step .5 below 2, 1 below 4, 2 above
+inline float e2m1(float v) {
+  const float a = std::fabs(v);
+  const float r = a < 2.0f ? std::nearbyint(a * 2.0f) * 0.5f
+                : a < 4.0f ? std::nearbyint(a)
+                           : std::nearbyint(a * 0.5f) * 2.0f;
+  return std::copysign(r, v);
+}
+
+template <class T>
+void fp4_block(const T* x, float* out, int64_t block, int64_t scale_fmt) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < block; ++i) {
+    const float a = std::fabs(to_float(x[i]));
+    nan |= a != a;
+    amax = a > amax ? a : amax;
+  }
+  if (nan) amax = NAN;
+  float s;
+  if (scale_fmt == 0) {
+    s = ue8m0_ceil((amax < kFp4Ue8m0Floor ? kFp4Ue8m0Floor : amax) * kInvE2m1Max);
+  } else {
+    float r = (amax < kFp4E4m3Floor ? kFp4E4m3Floor : amax) / kE2m1Max;
+    r = r < -kE4m3Max ? -kE4m3Max : r > kE4m3Max ? kE4m3Max : r;
+    s = e4m3(r);
+  }
+  for (int64_t i = 0; i < block; ++i) {
+    float v = to_float(x[i]) / s;
+    v = v < -kE2m1Max ? -kE2m1Max : v > kE2m1Max ? kE2m1Max : v;  // NaN passes
+    out[i] = e2m1(v) * s;
+  }
+}
+
+// checks shared by both ops; returns K
+int64_t check_x(const char* op, const Tensor& x, int64_t block) {
+  DSN_CHECK(x.scalar_type() == ST::BFloat16 || x.scalar_type() == ST::Float, op,
+            ": x must be a bfloat16 or float32 tensor, got ", torch::headeronly::toString(x.scalar_type()));
+  DSN_CHECK(x.dim() >= 1, op, ": x must have a last dimension K, got a 0-dim tensor");
+  DSN_CHECK(block > 0, op, ": block must be positive, got ", block);
+  const int64_t K = x.size(x.dim() - 1);
+  DSN_CHECK(K % block == 0, op, ": K = x.size(-1) must be a multiple of block = ", block, ", got ", K);
+  return K;
+}
+
+Tensor fp4_act_dequant(Tensor x_in, int64_t block, int64_t scale_fmt) {
+  const char* op = "fp4_act_dequant";
+  const int64_t K = check_x(op, x_in, block);
+  DSN_CHECK(scale_fmt == 0 || scale_fmt == 1, op, ": scale_fmt must be 0 (ue8m0) or 1 (e4m3), got ", scale_fmt);
+  const Tensor x = x_in.is_contiguous() ? x_in : torch::stable::contiguous(x_in);
+  Tensor out = torch::stable::new_empty(x, x.sizes(), ST::Float);
+  const int64_t blocks = K ? x.numel() / block : 0;
+  float* o = static_cast<float*>(out.mutable_data_ptr());
+  const bool bf16 = x.scalar_type() == ST::BFloat16;
+  const void* p = x.const_data_ptr();
+  torch::stable::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (bf16)
+        fp4_block(static_cast<const uint16_t*>(p) + b * block, o + b * block, block, scale_fmt);
+      else
+        fp4_block(static_cast<const float*>(p) + b * block, o + b * block, block, scale_fmt);
+    }
+  });
+  return out;
+}
+
+Tensor fp8_act_dequant(Tensor x_in, int64_t block) {
+  const int64_t K = check_x("fp8_act_dequant", x_in, block);
+  const Tensor x = x_in.is_contiguous() ? x_in : torch::stable::contiguous(x_in);
+  Tensor out = torch::stable::new_empty(x, x.sizes(), ST::Float);
+  const int64_t rows = K ? x.numel() / K : 0;
+  float* o = static_cast<float*>(out.mutable_data_ptr());
+  if (x.scalar_type() == ST::Float)
+    run_rows(static_cast<const float*>(x.const_data_ptr()), o, rows, K, block);
+  else
+    run_rows(static_cast<const uint16_t*>(x.const_data_ptr()), o, rows, K, block);
+  return out;
+}
+
+}  // namespace
+}  // namespace dsn
+
+STABLE_TORCH_LIBRARY_FRAGMENT(DSN_NS, m) {
+  m.def("fp8_act_dequant(Tensor x, int block) -> Tensor");
+  m.def("fp4_act_dequant(Tensor x, int block, int scale_fmt) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(DSN_NS, CPU, m) {
+  m.impl("fp8_act_dequant", TORCH_BOX(&dsn::fp8_act_dequant));
+  m.impl("fp4_act_dequant", TORCH_BOX(&dsn::fp4_act_dequant));
+}
