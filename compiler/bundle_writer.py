@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dsneuron.disk import check_free, disk_full_is_an_error
+
 from dsneuron import UserError
 from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
 
@@ -99,12 +101,20 @@ class BundleWriter:
         return p
 
     def copy_in(self, src: Path, rel: str) -> None:
-        shutil.copyfile(src, self.path(rel))
+        """Copy file `src` into the bundle as `rel`; raises DiskFullError when the disk fills."""
+        dst = self.path(rel)
+        with disk_full_is_an_error(dst, Path(src).stat().st_size, f"executable {rel}"):
+            shutil.copyfile(src, dst)
 
     def write_weights(self, weights: dict[str, torch.Tensor], rel: str = WEIGHTS) -> None:
-        """weights.safetensors (no pickle); tensors must be contiguous and must not share storage."""
+        """weights.safetensors (no pickle); tensors must be contiguous and must not share storage.
+        Raises DiskFullError, before writing, when the disk has not their size free, or when it
+        fills while writing."""
         path = self.path(rel)
-        save_file(weights, str(path))
+        need = sum(t.numel() * t.element_size() for t in weights.values())
+        check_free(path.parent, need, f"the bundle's {rel}")
+        with disk_full_is_an_error(path, need, f"the bundle's {rel}"):
+            save_file(weights, str(path))
         # safetensors creates the file owner-only; a bundle is meant to be shared like any output
         mask = os.umask(0)
         os.umask(mask)
@@ -119,7 +129,9 @@ class BundleWriter:
                 rel = p.relative_to(self.tmp).as_posix()
                 files[rel] = {"sha256": file_sha256(p), "size": p.stat().st_size}
         manifest = dataclasses.replace(manifest, files=files)
-        (self.tmp / MANIFEST).write_text(manifest.to_json())
+        text = manifest.to_json()
+        with disk_full_is_an_error(self.tmp / MANIFEST, len(text), MANIFEST):
+            (self.tmp / MANIFEST).write_text(text)
         check_output(self.out, self.force)  # the folder may have appeared while we compiled
         old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         keep = [p for p in self.out.iterdir() if p.name in PLACEHOLDERS] if self.out.is_dir() else []

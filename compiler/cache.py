@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from dsneuron import UserError
+from dsneuron.disk import disk_full_is_an_error
 from dsneuron.runtime_min.bundle import file_sha256
 
 ENV_VAR = "DSNEURON_CACHE_DIR"
@@ -188,15 +189,17 @@ class CompileCache:
 
     def put(self, key: str, artifact: Path) -> Path:
         """Copy `artifact` into the entry of `key` atomically; returns the cached path (the one a
-        concurrent writer put there first, if it won the race)."""
+        concurrent writer put there first, if it won the race). Raises DiskFullError (nothing
+        left behind) when the disk fills."""
         entry = self._entry(key)
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.{uuid.uuid4().hex[:8]}.", dir=entry.parent))
         try:
-            shutil.copyfile(artifact, tmp / artifact.name)
-            marker = {"artifact": artifact.name, "size": (tmp / artifact.name).stat().st_size,
-                      "sha256": file_sha256(tmp / artifact.name)}
-            (tmp / MARKER).write_text(json.dumps(marker))
+            with disk_full_is_an_error(tmp, artifact.stat().st_size, f"compile cache entry {artifact.name}"):
+                shutil.copyfile(artifact, tmp / artifact.name)
+                marker = {"artifact": artifact.name, "size": (tmp / artifact.name).stat().st_size,
+                          "sha256": file_sha256(tmp / artifact.name)}
+                (tmp / MARKER).write_text(json.dumps(marker))
             if entry.exists() and _valid_artifact(entry) is None:
                 # a leftover or a corrupted entry: renamed away first (one rename, so a concurrent
                 # compile sees either it or none), then replaced by this complete one

@@ -169,16 +169,33 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> Non
                   f"cpu isa {' '.join(tc.get('cpu_isa') or []) or '-'}")
     console.print(f"compiler: {m.compiler.get('backend')} flags {m.compiler.get('flags')}; custom ops {m.compiler.get('custom_ops')}")
     sizes = {rel: meta["size"] for rel, meta in m.files.items()}
+
+    def files_of(b) -> list[str]:  # a staged bucket's executables are its stages' files
+        return sorted({st.file for st in b.stages}) if b.stages else [b.file]
+
     table = Table("kind", "batch", "seq_len", "capacity", "MiB", title="buckets")
     table.add_column("file", no_wrap=True)
     for b in m.buckets:
-        table.add_row(b.kind, str(b.batch), str(b.seq_len), str(b.capacity), f"{sizes.get(b.file, 0) / 2**20:.2f}", b.file)
+        seq = f"{b.min_seq_len}..{b.seq_len} step {b.seq_len_step}" if b.min_seq_len else str(b.seq_len)
+        mib = sum(sizes.get(f, 0) for f in files_of(b)) / 2**20
+        table.add_row(b.kind, str(b.batch), seq, str(b.capacity), f"{mib:.2f}", b.file)
     console.print(table)
-    exe = sum(sizes.get(b.file, 0) for b in m.buckets)
-    n_weights = len({n for b in m.buckets for n in b.weights})
-    console.print(f"weights {n_weights} tensors, {sizes.get(m.weights_file, 0) / 2**20:.1f} MiB; executables {exe / 2**20:.1f} MiB; "
-                  f"total {sum(sizes.values()) / 2**20:.1f} MiB; state tensors {len(m.state)}; "
-                  f"engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
+    staged = [b for b in m.buckets if b.stages]
+    if staged:
+        kinds = Table("bucket", "executable", "runs as", "MiB", title="stages (one executable per stage kind)")
+        for b in staged:
+            uses: dict[str, list[str]] = {}
+            for st in b.stages:
+                uses.setdefault(st.file, []).append(st.name)
+            for f, names in uses.items():
+                kinds.add_row(f"{b.kind} b{b.batch}", f, ", ".join(names), f"{sizes.get(f, 0) / 2**20:.2f}")
+        console.print(kinds)
+    exe = sum(sizes.get(f, 0) for b in m.buckets for f in files_of(b))
+    n_weights = len({n for b in m.buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))})
+    prepared = f" ({len(m.prepare)} prepared at load into the cpu kernels' layout)" if m.prepare else ""
+    console.print(f"weights {n_weights} tensors{prepared}, {sizes.get(m.weights_file, 0) / 2**20:.1f} MiB; "
+                  f"executables {exe / 2**20:.1f} MiB; total {sum(sizes.values()) / 2**20:.1f} MiB; "
+                  f"state tensors {len(m.state)}; engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
     open_bundle(root)
     console.print("verified: schema, target, toolchain and every checksum OK")
 

@@ -68,7 +68,8 @@ class CompileConfig:
 def resolve_config_path(name: str) -> Path:
     """A path that exists, else a packaged config by name (with or without `.json`).
 
-    Raises ConfigError listing the packaged names when neither exists.
+    Raises ConfigError listing the packaged names when neither exists (saying so when `name` is a
+    folder).
     """
     p = Path(name)
     if p.is_file():
@@ -78,6 +79,9 @@ def resolve_config_path(name: str) -> Path:
     if packaged.is_file():
         return packaged
     names = ", ".join(sorted(q.stem for q in PACKAGED.glob("*.json")))
+    if p.is_dir():
+        raise ConfigError(f"config {name!r} is a folder; --config takes a JSON config file or a packaged config name "
+                          f"(packaged: {names})")
     raise ConfigError(f"config {name!r}: no such file, and no packaged config of that name (packaged: {names})")
 
 

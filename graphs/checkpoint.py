@@ -75,6 +75,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dsneuron import UserError
+from dsneuron.disk import check_free, disk_full_is_an_error
 from dsneuron.kernels_nki.formats import float_to_ue8m0, ue8m0_to_float
 
 from .config import ModelConfig
@@ -358,7 +359,9 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
     Same (cfg, seed) -> byte-identical files. Written into a temporary sibling folder and renamed
     into place, one shard in memory at a time; an interrupted write leaves nothing at `out`.
     Raises CheckpointError if `out` exists and not `force`, or exists and is not a checkpoint
-    folder (force replaces checkpoints only); nothing is touched then.
+    folder (force replaces checkpoints only); nothing is touched then. Raises DiskFullError
+    (dsneuron.disk) before writing when the disk has not the checkpoint's size free, and when it
+    fills while writing (the partial folder is removed).
     """
     out = Path(out)
     # an unrelated file or folder is refused first, so the message never suggests --force for it
@@ -374,6 +377,8 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
                "engram_compressed_vocab_size": params.compressed_vocab_size}
     plan = _shard_plan(spec, shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(_nbytes(s) for s in spec.values())
+    check_free(out.parent, need, "the checkpoint")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     threads = torch.get_num_threads()
@@ -391,7 +396,8 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
                 _check_drawn(spec[name], t)
                 weight_map[name] = shard
                 total += t.numel() * t.element_size()
-            safetensors.torch.save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+            with disk_full_is_an_error(tmp / shard, need, f"checkpoint shard {shard}"):
+                safetensors.torch.save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
             os.chmod(tmp / shard, 0o644)  # safetensors creates files owner-only; the JSON files are 0644 too
             del tensors
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
@@ -449,6 +455,8 @@ def read_checkpoint_config(path: Path) -> ModelConfig:
     invalid config.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} {'is not a folder' if path.exists() else 'does not exist'}")
     hf_path, inf_path = path / HF_CONFIG_NAME, path / INFERENCE_CONFIG_NAME
     if not hf_path.is_file() and not inf_path.is_file():
         raise CheckpointError(f"{path}: neither {HF_CONFIG_NAME} nor {INFERENCE_CONFIG_NAME} exists")

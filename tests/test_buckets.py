@@ -174,6 +174,14 @@ def test_config_file_that_is_not_utf8_is_refused(tmp_path):
         load_config(str(bad))
 
 
+def test_config_that_is_a_folder_or_missing_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder; --config takes a JSON config file or a packaged config name "
+                                          r"\(packaged: micro, tiny\)"):
+        load_config(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no such file, and no packaged config of that name"):
+        load_config(str(tmp_path / "none.json"))
+
+
 def test_engram_head_dim_zero_is_refused(tmp_path):
     raw = json.loads((Path(load_config("micro")[2])).read_text())
     raw["model"]["engram_head_dim"] = 0

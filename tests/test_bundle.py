@@ -25,7 +25,7 @@ from dsneuron.compiler.bundle_writer import OutputExistsError
 from dsneuron.compiler.cache import normalised_graph
 from dsneuron.compiler.export import CompileError, StepGraph, export_step
 from dsneuron.compiler.lower import finish, inline_mode
-from dsneuron.runtime_min.bundle import check_toolchain, host_toolchain, missing_packages, open_bundle
+from dsneuron.runtime_min.bundle import check_creator, check_toolchain, host_toolchain, missing_packages, open_bundle
 from dsneuron.runtime_min.executor_cpu import check_archive, register_custom_ops
 from dsneuron.runtime_min.schema import SCHEMA_VERSION, SEAL, BundleError, Manifest, content_sha256
 from dsneuron.runtime_min.session import Session
@@ -329,6 +329,26 @@ def test_toolchain_rules():
     check_toolchain(host_toolchain())
 
 
+def test_version_rule():
+    """A runtime runs the bundles of its own major.minor release line, any patch."""
+    for ok in ("dsneuron 0.1.0", "dsneuron 0.1.7", "dsneuron 0.1.2+local"):
+        check_creator(ok, "0.1.0")
+    for bad, message in [("dsneuron 0.0.1", r"written by dsneuron 0.0.1; this runtime \(dsneuron 0.1.0\) runs bundles "
+                                            r"of dsneuron 0.1.x only"),
+                         ("dsneuron 1.1.0", "runs bundles of dsneuron 0.1.x only"),
+                         ("", "created_by is '', not 'dsneuron X.Y.Z'"),
+                         ("optimum 0.1.0", "created_by is 'optimum 0.1.0'")]:
+        with pytest.raises(BundleError, match=message):
+            check_creator(bad, "0.1.0")
+
+
+def test_bundle_of_another_release_is_refused_before_anything_loads(copy, monkeypatch, capsys):
+    edit_manifest(copy, lambda m: m.update(created_by="dsneuron 0.0.1"))  # resealed, as a writer would
+    for args in (["run", str(copy), "--prompt", "hi"], ["inspect", str(copy)]):
+        assert run_cli(monkeypatch, *args) == 2
+        assert "written by dsneuron 0.0.1" in capsys.readouterr().err
+
+
 def test_archive_with_pickle_is_refused(tmp_path):
     src, _ = stand_in.shared_bundle()
     check_archive(src / "buckets" / "prefill_b2_s8.pt2")
@@ -471,6 +491,43 @@ def test_config_error_exits_2(monkeypatch, capsys, tmp_path, cli_kit):
     assert run_cli(monkeypatch, *compile_args(config, tmp_path / "art", tmp_path)) == 2
     assert "compile.prefill_seq_lens: 7 is not a multiple of 2" in capsys.readouterr().err
     assert calls == [] and not (tmp_path / "art").exists()
+
+
+def _disk_usage_with_free(free: int):
+    real = shutil.disk_usage
+
+    def fake(path):
+        u = real(path)
+        return type(u)(u.total, u.total - free, free)
+    return fake
+
+
+def test_too_little_disk_for_the_weights_exits_2_before_writing(monkeypatch, capsys, tmp_path, cli_kit):
+    _, config, _ = cli_kit
+    monkeypatch.setattr(shutil, "disk_usage", _disk_usage_with_free(5 * 2**20))
+    assert run_cli(monkeypatch, *compile_args(config, tmp_path / "art", tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "not enough disk space for the bundle's weights.safetensors" in err and "5.0 MiB free" in err
+    assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.tmp-*"))
+
+
+def test_disk_full_while_writing_weights_exits_2_and_leaves_nothing(monkeypatch, capsys, tmp_path, cli_kit):
+    """ENOSPC as safetensors reports it (a SafetensorError whose message carries the OS error)."""
+    from dsneuron.compiler import bundle_writer
+    from safetensors import SafetensorError
+
+    _, config, _ = cli_kit
+
+    def full(tensors, path):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" }) (os error 28)")
+    monkeypatch.setattr(bundle_writer, "save_file", full)
+    assert run_cli(monkeypatch, *compile_args(config, tmp_path / "art", tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "disk full while writing the bundle's weights.safetensors" in err and "MiB free now" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "art").exists() and not list(tmp_path.glob(".art.tmp-*"))
 
 
 def test_output_check_runs_before_compiling(tmp_path):

@@ -582,12 +582,32 @@ def test_cli_bad_config_key(tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists()
 
 
+def test_make_checkpoint_on_a_full_disk_exits_2_and_leaves_nothing(tmp_path, monkeypatch):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: type(real(p))(real(p).total, real(p).total, 2**20))
+    code, _, err = _cli(monkeypatch, "make-checkpoint", "--config", "micro", "--out", str(tmp_path / "ck"))
+    assert code == 2 and "not enough disk space for the checkpoint" in err and "1.0 MiB free" in err
+    monkeypatch.setattr(shutil, "disk_usage", real)
+
+    def full(tensors, path, metadata=None):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ck.safetensors.torch, "save_file", full)
+    code, _, err = _cli(monkeypatch, "make-checkpoint", "--config", "micro", "--out", str(tmp_path / "ck"))
+    assert code == 2 and "disk full while writing checkpoint shard model-00001-of-" in err
+    assert not (tmp_path / "ck").exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_cli_inspect(micro_checkpoint, tmp_path, monkeypatch):
     code, out, _ = _cli(monkeypatch, "inspect-checkpoint", str(micro_checkpoint))
     assert code == 0
     assert "layers.*.ffn.experts.*.w1.weight" in out and "total" in out
     code, _, err = _cli(monkeypatch, "inspect-checkpoint", str(tmp_path / "nothing"))
-    assert code == 2 and "nothing" in err
+    assert code == 2 and "nothing does not exist" in err
+    (tmp_path / "file").write_text("{}")
+    code, _, err = _cli(monkeypatch, "inspect-checkpoint", str(tmp_path / "file"))
+    assert code == 2 and "file is not a folder" in err
 
 
 def test_inspect_report_and_stats(micro_checkpoint):

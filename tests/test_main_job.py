@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,22 @@ def test_second_compile_with_the_same_cache_compiles_nothing(micro_bundle, tmp_p
 
     first = executables(b.path)
     assert len(first) >= 4 and executables(again) == first  # staged: one per stage kind and bucket
+
+
+def test_inspect_lists_the_stage_executables(micro_bundle):
+    """`dsneuron inspect` on a staged bundle: each bucket's size is that of its stage executables,
+    and every stage kind is listed with the stages that run it."""
+    r = subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", "inspect", str(micro_bundle.path)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    from dsneuron.runtime_min.bundle import read_manifest
+
+    m = read_manifest(micro_bundle.path)
+    for b in m.buckets:
+        files = {st.file for st in b.stages}
+        mib = sum(m.files[f]["size"] for f in files) / 2**20
+        assert f"{mib:.2f}" in r.stdout
+        for f in files:
+            assert f in r.stdout
+    assert "stages (one executable per stage kind)" in r.stdout and "layers.0" in r.stdout
+    assert "prepared at load" in r.stdout and "weights 0 tensors" not in r.stdout

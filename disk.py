@@ -1,0 +1,67 @@
+"""Disk space for the big writes (checkpoint shards, bundle weights, executables): checked before
+writing where the size is known, and a full disk met while writing turned into one clear error.
+
+Both raise `DiskFullError` (a UserError: exit code 2 from the CLI) naming the path, the bytes
+needed and the bytes free. The writers that call these write into a temporary folder and remove it
+on any error, so a full disk leaves nothing half-written at the destination.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from . import UserError
+
+#: kept free on top of a write's own size (file system metadata, the manifest, small files)
+SLACK_BYTES = 16 * 2**20
+
+
+class DiskFullError(UserError):
+    """Not enough free space for a write (checked before it, or ENOSPC / EDQUOT during it)."""
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for an unprivileged writer on the file system that holds `path` (or the nearest
+    existing parent folder of it)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_free(path: Path, need: int, what: str) -> None:
+    """Raise DiskFullError unless the file system of `path` has `need` bytes (+ SLACK_BYTES) free."""
+    free = free_bytes(path)
+    if free < need + SLACK_BYTES:
+        raise DiskFullError(f"not enough disk space for {what} in {Path(path).absolute()}: it needs "
+                            f"{_mib(need)} (+ {_mib(SLACK_BYTES)} slack), {_mib(free)} free; free some space or "
+                            "choose another folder")
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors (Rust) reports the OS error in its message rather than as an OSError
+    text = str(e)
+    return f"os error {errno.ENOSPC}" in text or "No space left on device" in text
+
+
+@contextmanager
+def disk_full_is_an_error(path: Path, need: int, what: str) -> Iterator[None]:
+    """Within this block, a full disk (ENOSPC or EDQUOT, from Python or from safetensors) while
+    writing `what` to `path` becomes a DiskFullError naming the bytes needed and free."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        raise DiskFullError(f"disk full while writing {what} to {Path(path).absolute()}: it needs {_mib(need)}, "
+                            f"{_mib(free_bytes(path))} free now; free some space or choose another folder") from None
