@@ -12,6 +12,7 @@ long messages are not broken mid-line at rich's default of 80 columns.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -73,24 +74,58 @@ def inspect_checkpoint_cmd(
     inspect_checkpoint(path, stats=stats, console=console)
 
 
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    """"1,2,4" -> [1, 2, 4]; None stays None; UserError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers such as 128,512, got {text!r}") from None
+
+
 @app.command("compile")
 def compile_cmd(
-    config: str = typer.Option(..., "--config", help="config JSON path or packaged name (tiny, micro)"),
+    config: Optional[str] = typer.Option(None, "--config", help="config JSON path or packaged name (tiny, micro)"),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="checkpoint folder: the model config comes from its inference/config.json (or HF "
+                                   "config.json), the bucket plan from the flags below"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="with --checkpoint: context capacity "
+                                                                          "[default: 4096]"),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="with --checkpoint: e.g. 1,4 [default: 1]"),
+    prefill_lens: Optional[str] = typer.Option(None, "--prefill-lens", help="with --checkpoint: prefill bucket lengths, "
+                                                                            "e.g. 128,1024 [default: generated]"),
+    decode_lens: Optional[str] = typer.Option(None, "--decode-lens", help="with --checkpoint: decode context lengths "
+                                                                          "[default: max-seq-len]"),
     out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
     target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK)"),
     force: bool = typer.Option(False, "--force", help="replace an existing bundle (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
     probes: bool = typer.Option(False, "--probes", help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
 ) -> None:
-    """Compile every bucket of a config into a self-contained bundle."""
+    """Compile every bucket of a config (or of a checkpoint folder) into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
-    from dsneuron.compiler.config import load_config
+    from dsneuron.compiler.config import checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
     check_target(target)  # fail fast, before reading anything
-    model_cfg, compile_cfg, _ = load_config(config)
+    plan_flags = {"--max-seq-len": max_seq_len, "--batch-sizes": batch_sizes, "--prefill-lens": prefill_lens,
+                  "--decode-lens": decode_lens}
+    if (config is None) == (checkpoint is None):
+        raise UserError("give exactly one of --config (a JSON config or a packaged name) and --checkpoint (a "
+                        "checkpoint folder)")
+    if config is not None:
+        given = [flag for flag, v in plan_flags.items() if v is not None]
+        if given:
+            raise UserError(f"{given[0]} goes with --checkpoint; with --config the bucket plan is the config "
+                            "file's \"compile\" section")
+        model_cfg, compile_cfg, _ = load_config(config)
+    else:
+        model_cfg, compile_cfg = checkpoint_config(
+            checkpoint, max_seq_len, _int_list(batch_sizes, "--batch-sizes"), _int_list(prefill_lens, "--prefill-lens"),
+            _int_list(decode_lens, "--decode-lens"))
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
@@ -102,25 +137,69 @@ def compile_cmd(
 @app.command("run")
 def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
-    prompt: str = typer.Option(..., "--prompt", help="prompt text"),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (or --prompts-file)"),
+    prompts_file: Optional[Path] = typer.Option(
+        None, "--prompts-file", help="prompts run as one batch: one prompt a line, or JSON lines {\"prompt\": ...}; "
+                                     "prints one JSON line {\"prompt\", \"completion\"} per prompt"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most (stops earlier at EOS)"),
     temperature: float = typer.Option(0.0, "--temperature",
                                       help="0 = greedy; any other finite value > 0 samples from softmax((logits - max) / T) "
                                            "in float64, so a tiny T tends to greedy and a huge one to uniform"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
+    stats: bool = typer.Option(False, "--stats", help="print prefill time, time to first token and decode tokens/s "
+                                                      "to stderr"),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.session import Session
 
+    if (prompt is None) == (prompts_file is None):
+        raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
+    prompts = read_prompts_file(prompts_file) if prompts_file is not None else None
     session = Session.load(bundle)
+    if prompts is None:
+        def emit(_row: int, piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
-    def emit(_row: int, piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=emit)
+        sys.stdout.write("\n")
+    else:
+        texts = session.generate(prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+        for p, text in zip(prompts, texts):
+            sys.stdout.write(json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) + "\n")
+    if stats:
+        err_console.print(session.last_stats.summary(), highlight=False, soft_wrap=True)
 
-    session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=emit)
-    sys.stdout.write("\n")
+
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts of a --prompts-file: UTF-8 text, one prompt a line; a line that starts with "{"
+    is JSON with a string "prompt". Blank lines are skipped. Raises UserError naming the line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--prompts-file {path}: does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"--prompts-file {path}: is a folder, not a file") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts-file {path}: not UTF-8 text (byte {e.start})") from None
+    prompts = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--prompts-file {path}, line {i}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj.get("prompt"), str):
+                raise UserError(f"--prompts-file {path}, line {i}: a JSON line needs a string \"prompt\"")
+            prompts.append(obj["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise UserError(f"--prompts-file {path}: holds no prompt")
+    return prompts
 
 
 @app.command("compare")
@@ -137,13 +216,13 @@ def compare_cmd(
     import json
 
     from dsneuron.compiler.compare import compare_bundle, end_to_end_verdict, render
-    from dsneuron.compiler.default_prompts import default_prompts, read_prompts
+    from dsneuron.compiler.default_prompts import read_prompts
 
     if json_out is not None and not json_out.parent.is_dir():
         raise UserError(f"--json {json_out}: its folder {json_out.parent} does not exist")
     if json_out is not None and json_out.is_dir():
         raise UserError(f"--json {json_out}: is a folder; give a file path")
-    chosen = read_prompts(prompts) if prompts is not None else default_prompts()
+    chosen = read_prompts(prompts) if prompts is not None else None  # None: the shipped ones that fit
     reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False))
     render(reports, console)
     if json_out is not None:

@@ -212,16 +212,19 @@ class PromptReport:
                 "verdict": end_to_end_verdict(self), "steps": self.steps, "stages": self.stages}
 
 
-def compare_bundle(bundle: Path, prompts: list[tuple[str, str]], n_decode: int = 8, checkpoint: Path | None = None,
+def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode: int = 8, checkpoint: Path | None = None,
                    cache_dir: Path | None = None, log: Callable[[str], None] = print) -> list[PromptReport]:
     """Run the comparison (module docstring) for each prompt that fits the bundle.
 
+    prompts: [(name, text)]; None takes the shipped ones (default_prompts.NAMES), or the small set
+    (SMALL_NAMES) when one of those does not fit the bundle.
     checkpoint: the checkpoint the bundle was compiled from (default: the manifest's compile.checkpoint,
     or the deterministic one of its seed, made under `cache_dir` if missing).
     Raises BundleError for a bundle that does not load, UserError when no prompt fits its buckets or
     capacity, or n_decode < 0.
     """
     from dsneuron.compiler.config import CompileConfig
+    from dsneuron.compiler.default_prompts import SMALL_NAMES, default_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.golden import Golden
@@ -235,10 +238,19 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]], n_decode: int =
     compile_cfg = CompileConfig.from_dict(m.compile_config)
     ckpt = Path(checkpoint) if checkpoint is not None else checkpoint_for(model_cfg, compile_cfg, cache_dir)
     max_prefill = max(b.seq_len for b in m.buckets if b.kind == "prefill")
+
+    def fits(text: str) -> bool:
+        n = len(session.encode(text))
+        return n <= max_prefill and n + n_decode <= session.max_capacity
+
+    if prompts is None:
+        prompts = default_prompts()
+        if not all(fits(text) for _, text in prompts):
+            prompts = default_prompts(SMALL_NAMES)
     todo, text_of = [], dict(prompts)
     for name, text in prompts:
         ids = session.encode(text)
-        if len(ids) > max_prefill or len(ids) + n_decode > session.max_capacity:
+        if not fits(text):
             log(f"skipping prompt {name!r}: {len(ids)} tokens + {n_decode} decode steps do not fit this bundle "
                 f"(largest prefill bucket {max_prefill}, context capacity {session.max_capacity})")
             continue
@@ -370,8 +382,17 @@ def render(reports: list[PromptReport], console: Any) -> None:
                       f"{b['argmax']:.0f} | {f['argmax']:.0f} | {n['argmax']:.0f}", f"{b['margin']:.3f}")
         console.print(t)
         v = end_to_end_verdict(rep)
-        console.print(f"end to end, mean 1 - cos: bundle {v['bundle']:.2e}, floors {v['floor']:.2e} (reversed K) and "
-                      f"{v['nudge']:.2e} (nudged): {'no worse than the floor' if v['ok'] else 'WORSE than the floor'}")
+        used, name = max((v["floor"], "reversed K blocks"), (v["nudge"], "nudged embedding"))
+        ratio = f", {v['bundle'] / used:.2f}x the floor" if used > 0 else ""
+        local = ""
+        if rep.stages:
+            stage, ulps = worst_local(rep)
+            local = (f"; stages: every local re-run within 2 bf16 ulps" if ulps <= 2 else
+                     f"; stages: a local re-run is {ulps:.3g} bf16 ulps off at {stage} (more than 2)")
+        console.print(f"end to end, mean 1 - cos: bundle {v['bundle']:.2e}; floors {v['floor']:.2e} (reversed K) and "
+                      f"{v['nudge']:.2e} (nudged); the floor used is the larger, {name} ({used:.2e}), margin "
+                      f"{used - v['bundle']:+.2e}{ratio}: {'no worse than the floor' if v['ok'] else 'WORSE than the floor'}"
+                      f"{local}")
         if not rep.stages:
             console.print("no stage probes in this bundle: compile it with --probes for the stage-by-stage table")
             continue

@@ -252,9 +252,12 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             workers = min(default_workers(), len(sc.tasks))
 
             def show(done: int, total: int) -> None:
+                status = f"{done} of {total} executables made, {workers} processes, {time.perf_counter() - t0:.0f} s"
+                if isinstance(progress, _LogProgress):  # the executables are shared: one line, not one per bucket
+                    progress.note(f"{', '.join(sorted(pb.label for pb in todo))}: {status}")
+                    return
                 for pb in todo:
-                    progress.update(tasks[pb], status=f"{done} of {total} executables made, {workers} processes, "
-                                                      f"{time.perf_counter() - t0:.0f} s")
+                    progress.update(tasks[pb], status=status)
             sc.run(workers, show)
             compiled = sc.compiled
             for pb in plan.buckets:
@@ -343,8 +346,12 @@ class _LogProgress:
     def update(self, task: int, status: str | None = None, completed: int | None = None) -> None:
         if status is not None and status != self.status[task]:
             self.status[task] = status
-            self.console.print(f"{self.names[task]}: {status}", highlight=False, soft_wrap=True)
-            self.console.file.flush()
+            self.note(f"{self.names[task]}: {status}")
+
+    def note(self, line: str) -> None:
+        """Print one line now (flushed)."""
+        self.console.print(line, highlight=False, soft_wrap=True)
+        self.console.file.flush()
 
 
 def _progress(console: Console) -> Progress | _LogProgress:

@@ -1,4 +1,5 @@
-"""Config files: `{"model": {...ModelArgs keys...}, "compile": {...}}`, by path or packaged name.
+"""Config files: `{"model": {...ModelArgs keys...}, "compile": {...}}`, by path or packaged name,
+or a checkpoint folder with the bucket plan given as flags (`checkpoint_config`).
 
 `--config tiny` and `--config tiny.json` both find the packaged `compiler/configs/tiny.json` when no
 such file exists in the working directory; a path that exists always wins.
@@ -106,3 +107,28 @@ def load_config(name: str) -> tuple[ModelConfig, CompileConfig, Path]:
     if compile_cfg is None:
         raise ConfigError("compile: missing required top-level key")
     return model, compile_cfg, path
+
+
+#: the bucket plan of `dsneuron compile --checkpoint DIR` when no flag says otherwise
+CHECKPOINT_DEFAULTS = {"max_seq_len": 4096, "batch_sizes": [1], "prefill_seq_lens": [], "decode_context_lens": None}
+
+
+def checkpoint_config(folder: str | Path, max_seq_len: int | None = None, batch_sizes: list[int] | None = None,
+                      prefill_seq_lens: list[int] | None = None,
+                      decode_context_lens: list[int] | None = None) -> tuple[ModelConfig, CompileConfig]:
+    """(model, compile) configs for compiling the checkpoint folder `folder`: the model from its
+    own config files (graphs.checkpoint.read_checkpoint_config: inference/config.json, else HF
+    config.json), the plan from the arguments, each None taking CHECKPOINT_DEFAULTS (decode:
+    one bucket of max_seq_len; prefill: the generated lengths). Raises CheckpointError for a
+    folder that is missing or has no readable config, ConfigError for a bad plan."""
+    from dsneuron.graphs.checkpoint import read_checkpoint_config
+
+    folder = Path(folder)
+    model = read_checkpoint_config(folder)
+    seq = CHECKPOINT_DEFAULTS["max_seq_len"] if max_seq_len is None else max_seq_len
+    raw = {"max_seq_len": seq,
+           "batch_sizes": CHECKPOINT_DEFAULTS["batch_sizes"] if batch_sizes is None else batch_sizes,
+           "prefill_seq_lens": CHECKPOINT_DEFAULTS["prefill_seq_lens"] if prefill_seq_lens is None else prefill_seq_lens,
+           "decode_context_lens": [seq] if decode_context_lens is None else decode_context_lens,
+           "checkpoint": str(folder.absolute())}
+    return model, CompileConfig.from_dict(raw, "compile")

@@ -1,6 +1,8 @@
 """The prompts shipped with the package (compiler/prompts/*.txt), used by `dsneuron compare` and the
 benchmark: short (11 tokens), medium (172: wraps tiny's 128-token window) and long (715: tiny's
-candidate-block filter active), counted with the DeepSeek V4 tokenizer and BOS.
+candidate-block filter active), counted with the DeepSeek V4 tokenizer and BOS; and for bundles
+too small for those (micro: 64 tokens of context), short with small_medium (21: wraps micro's
+16-token window) and small_long (55: fits 64 with 8 decode steps).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from pathlib import Path
 from dsneuron import UserError
 
 NAMES = ("short", "medium", "long")
+SMALL_NAMES = ("short", "small_medium", "small_long")
 
 
-def default_prompts() -> list[tuple[str, str]]:
-    """[(name, text)] of the shipped prompts, in NAMES order."""
+def default_prompts(names: tuple[str, ...] = NAMES) -> list[tuple[str, str]]:
+    """[(name, text)] of the shipped prompts `names` (default NAMES), in that order."""
     root = resources.files("dsneuron.compiler") / "prompts"
-    return [(name, (root / f"{name}.txt").read_text(encoding="utf-8")) for name in NAMES]
+    return [(name, (root / f"{name}.txt").read_text(encoding="utf-8")) for name in names]
 
 
 def read_prompts(path: Path) -> list[tuple[str, str]]:

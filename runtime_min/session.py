@@ -61,6 +61,39 @@ class StepResult:
     state_in: dict[str, torch.Tensor]
 
 
+@dataclass
+class GenerationStats:
+    """Timings of the last `Session.generate` call, in seconds (wall clock, time.perf_counter).
+
+    prompt_tokens: the longest prompt's token count; prefill_bucket: "b<batch> s<seq_len>" of the
+    prefill executable; load_s: executables loaded on first use during the call (counted in the
+    step that needed them); prefill_s: the prefill step, logits included; first_token_s: from the
+    call's start to the first token sampled (encoding and bucket choice included); decode_steps /
+    decode_s: the decode steps after the prefill; tokens_per_s: decode_steps * rows / decode_s.
+    """
+
+    prompt_tokens: int
+    prefill_bucket: str
+    rows: int
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_steps: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_steps * self.rows / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line for people: prefill, time to first token, decode rate."""
+        load = f" (of which {self.load_s:.3f} s loading executables)" if self.load_s else ""
+        decode = (f"decode {self.decode_steps} steps x {self.rows} rows in {self.decode_s:.3f} s = "
+                  f"{self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
+        return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s{load}; "
+                f"time to first token {self.first_token_s:.3f} s; {decode}")
+
+
 class TextStream:
     """Incremental detokenisation of one row (module docstring). `decode(ids) -> str` is the tokenizer's."""
 
@@ -158,6 +191,8 @@ class Session:
             raise BundleError("manifest host_preprocessing.engram: the executables take engram ids but the "
                               "manifest carries no hashing parameters")
         self.hasher = make_engram_hasher(params) if self.engram_cols[0] > 0 else None
+        #: timings of the last `generate` call (GenerationStats), None before the first
+        self.last_stats: GenerationStats | None = None
         vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
         if self.hasher is not None and self.hasher.vocab_size != vocab:
             raise BundleError(f"manifest host_preprocessing.engram.token_map: maps {self.hasher.vocab_size} token ids, "
@@ -176,11 +211,14 @@ class Session:
     def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
         key = (kind, batch, length)
         if key not in self._loaded:
+            t0 = time.perf_counter()
             b = self._buckets[key]
             if b.stages:
                 self._loaded[key] = StagedExecutable(self.bundle.root, b, self.weights)
             else:
                 self._loaded[key] = self._make(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
+            if self.last_stats is not None:
+                self.last_stats.load_s += time.perf_counter() - t0
         return self._loaded[key]
 
     @property
@@ -226,6 +264,7 @@ class Session:
             raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         check_params(temperature, top_p)
         check_seed(seed)
+        start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         batch = select.pick_batch(self.batch_sizes, len(ids))
         longest = max(len(x) for x in ids)
@@ -236,19 +275,24 @@ class Session:
             gen.seed()
         else:
             gen.manual_seed(seed)
-        return self._run(ids, batch, seq_len, max_new_tokens, temperature, top_p, gen, stream)
+        self.last_stats = GenerationStats(longest, f"b{batch} s{seq_len}", len(ids))
+        return self._run(ids, batch, seq_len, max_new_tokens, temperature, top_p, gen, stream, start)
 
     def _run(self, ids: list[list[int]], batch: int, seq_len: int, max_new: int, temperature: float, top_p: float,
-             gen: torch.Generator, stream: Callable[[int, str], None] | None) -> list[list[int]]:
+             gen: torch.Generator, stream: Callable[[int, str], None] | None, start: float) -> list[list[int]]:
         tok_cfg = self.manifest.tokenizer
+        stats = self.last_stats
         n = len(ids)
+        t0 = time.perf_counter()
         exe, args, history = self._prefill_call(ids, batch, seq_len)
         outs = exe.run(args)
         state = self._collect(exe.bucket, outs)
+        stats.prefill_s = time.perf_counter() - t0
         streams = [TextStream(lambda x: self.tokenizer.decode(x, skip_special_tokens=True)) for _ in range(n)]
         generated: list[list[int]] = [[] for _ in range(n)]
         active = [True] * n
         next_ids = sample(outs[0], temperature, top_p, gen)
+        stats.first_token_s = time.perf_counter() - start
         while True:
             for i in range(n):
                 if not active[i]:
@@ -272,10 +316,13 @@ class Session:
                 if active[i]:
                     pos[i] = len(ids[i]) + len(generated[i]) - 1
                     feed[i, 0] = generated[i][-1]
+            t0 = time.perf_counter()
             exe, args, history = self._decode_call(feed, pos, history, state)
             outs = exe.run(args)
             state = self._collect(exe.bucket, outs)
             next_ids = sample(outs[0], temperature, top_p, gen)
+            stats.decode_s += time.perf_counter() - t0
+            stats.decode_steps += 1
         for i in range(n):
             piece = streams[i].finish()
             if piece and stream is not None:
@@ -290,6 +337,7 @@ class Session:
         bucket, or len(ids) exceeds the context capacity.
         """
         ids = [int(t) for t in ids]
+        self.last_stats = None  # timings are kept for generate calls only
         if not 1 <= n_prompt <= len(ids):
             raise UserError(f"n_prompt must be in 1..{len(ids)} (the sequence length), got {n_prompt}")
         if len(ids) > self.max_capacity:

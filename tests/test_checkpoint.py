@@ -652,3 +652,41 @@ def test_force_never_replaces_something_that_is_not_a_checkpoint(tmp_path, micro
             make_checkpoint(micro_cfg, afile, force=force)
         assert "pass --force" not in str(e.value)
     assert afile.read_text() == "x"
+
+
+def test_compile_from_a_checkpoint_folder_reads_its_config_and_the_plan_flags(micro_checkpoint, micro_cfg, tmp_path,
+                                                                             monkeypatch):
+    """`dsneuron compile --checkpoint DIR`: the model config is the folder's, the plan the flags'
+    (defaults for the rest); the compile itself is stubbed here (tests/test_main_job runs one)."""
+    from dsneuron.compiler import compile as pipeline
+
+    seen = {}
+
+    def build(model_cfg, compile_cfg, cache_dir=None, probes=False, target="cpu"):
+        seen.update(model=model_cfg, compile=compile_cfg)
+        return "parts"
+    monkeypatch.setattr(pipeline, "build_steps_for_config", build)
+    monkeypatch.setattr(pipeline, "compile_bundle", lambda *a, **k: None)
+    code, _, err = _cli(monkeypatch, "compile", "--checkpoint", str(micro_checkpoint), "--max-seq-len", "64",
+                        "--prefill-lens", "16,32", "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    assert seen["model"] == micro_cfg
+    c = seen["compile"]
+    assert (c.max_seq_len, c.batch_sizes, c.prefill_seq_lens, c.decode_context_lens) == (64, (1,), (16, 32), (64,))
+    assert c.checkpoint == str(micro_checkpoint.absolute())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "micro", "--checkpoint", "X"], "exactly one of --config"),
+    ([], "exactly one of --config"),
+    (["--config", "micro", "--max-seq-len", "64"], "--max-seq-len goes with --checkpoint"),
+    (["--checkpoint", "{missing}"], "does not exist"),
+    (["--checkpoint", "{ckpt}", "--prefill-lens", "16,x"], "--prefill-lens: expected comma-separated integers"),
+    (["--checkpoint", "{ckpt}", "--max-seq-len", "64", "--prefill-lens", "128"], "compile.prefill_seq_lens: entries must "
+                                                                                 "be in 1..max_seq_len=64"),
+])
+def test_compile_from_a_checkpoint_bad_flags_exit_2(micro_checkpoint, tmp_path, monkeypatch, args, message):
+    args = [a.format(missing=tmp_path / "none", ckpt=micro_checkpoint) for a in args]
+    code, _, err = _cli(monkeypatch, "compile", *args, "--out", str(tmp_path / "b"))
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "b").exists()

@@ -56,6 +56,7 @@ def test_compare_cli_writes_tables_and_json(micro_bundle, tmp_path):
             "--checkpoint", str(micro_bundle.compile_cfg.checkpoint))
     assert r.returncode == 0, r.stderr
     assert "no worse than the floor" in r.stdout and "largest local error" in r.stdout
+    assert "the floor used is the larger" in r.stdout and "stages: every local re-run within 2 bf16 ulps" in r.stdout
     data = json.loads((tmp_path / "c.json").read_text())
     (rep,) = data["prompts"]
     assert rep["n_steps"] == len(rep["steps"]) and rep["verdict"]["ok"]

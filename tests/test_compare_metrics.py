@@ -88,3 +88,29 @@ def test_cut_refuses_a_bundle_tensor_smaller_than_the_golden():
 def test_stage_kind_drops_the_layer():
     assert stage_kind("layers.12.ffn.gate.indices") == "ffn.gate.indices"
     assert stage_kind("final.logits") == "final.logits"
+
+
+@pytest.mark.parametrize("config", ["tiny", "micro"])
+def test_every_packaged_config_gets_three_shipped_prompts_that_fit(config):
+    """The prompt set `dsneuron compare` picks by default fits the packaged plan with 8 decode steps,
+    and its longest prompt is longer than the model's attention window."""
+    from dsneuron.compiler.buckets import plan_buckets
+    from dsneuron.compiler.config import load_config
+    from dsneuron.compiler.default_prompts import NAMES, SMALL_NAMES, default_prompts
+    from dsneuron.graphs.tokenizer import load_tokenizer
+
+    model_cfg, compile_cfg, _ = load_config(config)
+    plan = plan_buckets(compile_cfg, model_cfg)
+    max_prefill = max(b.seq_len for b in plan.buckets if b.kind == "prefill")
+    tok = load_tokenizer()
+
+    def n_tokens(text):
+        return 1 + len(tok.encode(text, add_special_tokens=False).ids)
+
+    def fits(text):
+        return n_tokens(text) <= max_prefill and n_tokens(text) + 8 <= compile_cfg.max_seq_len
+
+    chosen = default_prompts() if all(fits(t) for _, t in default_prompts()) else default_prompts(SMALL_NAMES)
+    assert [name for name, _ in chosen] == list(NAMES if config == "tiny" else SMALL_NAMES)
+    assert all(fits(t) for _, t in chosen)
+    assert max(n_tokens(t) for _, t in chosen) > model_cfg.window_size

@@ -57,3 +57,50 @@ def test_inspect_lists_the_stage_executables(micro_bundle):
             assert f in r.stdout
     assert "stages (one executable per stage kind)" in r.stdout and "layers.0" in r.stdout
     assert "prepared at load" in r.stdout and "weights 0 tensors" not in r.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "300"})
+
+
+def test_run_stats_prints_prefill_first_token_and_decode_rate(micro_bundle):
+    r = _cli("run", str(micro_bundle.path), "--prompt", "Hello there", "--max-new-tokens", "4", "--stats",
+             "--temperature", "1.0", "--seed", "3")  # sampling, so EOS can hardly end it before 4 tokens
+    assert r.returncode == 0, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "prefill " in line and "(bucket b1 s16)" in line and "time to first token" in line, line
+    assert "tokens/s" in line and "loading executables" in line, line
+
+
+def test_run_prompts_file_prints_one_json_line_per_prompt(micro_bundle, tmp_path):
+    import json
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Hello there"}\n\n', encoding="utf-8")
+    r = _cli("run", str(micro_bundle.path), "--prompts-file", str(f), "--max-new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(rows) == 1 and rows[0]["prompt"] == "Hello there" and isinstance(rows[0]["completion"], str)
+    f.write_text("one\ntwo\n", encoding="utf-8")  # micro_bundle has batch-1 buckets only
+    r = _cli("run", str(micro_bundle.path), "--prompts-file", str(f), "--max-new-tokens", "3")
+    assert r.returncode == 2 and "2 prompts" in r.stderr, r.stderr
+
+
+def test_run_bad_prompt_options_exit_2_before_loading(tmp_path):
+    """Refused before the bundle is opened: the bundle path here does not exist."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n', encoding="utf-8")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": \n', encoding="utf-8")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n", encoding="utf-8")
+    nobundle = str(tmp_path / "no-bundle")
+    for args, message in [((), "exactly one of --prompt TEXT and --prompts-file FILE"),
+                          (("--prompt", "x", "--prompts-file", str(bad)), "exactly one of"),
+                          (("--prompts-file", str(tmp_path / "none.txt")), "none.txt: does not exist"),
+                          (("--prompts-file", str(bad)), 'line 1: a JSON line needs a string "prompt"'),
+                          (("--prompts-file", str(broken)), "line 1: not valid JSON"),
+                          (("--prompts-file", str(empty)), "holds no prompt")]:
+        r = _cli("run", nobundle, *args)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
