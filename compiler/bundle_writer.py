@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import uuid
+from typing import Any, Callable
 from pathlib import Path
 
 import torch
@@ -120,8 +121,9 @@ class BundleWriter:
         os.umask(mask)
         os.chmod(path, 0o666 & ~mask)
 
-    def commit(self, manifest: Manifest) -> Path:
-        """Checksum every file, write manifest.json, then move the bundle into place. Returns `out`."""
+    def commit(self, manifest: Manifest, sign: Callable[[Path], Any] | None = None) -> Path:
+        """Checksum every file, write manifest.json, call sign(folder) when given (the signature
+        is made before the bundle appears at `out`), then move the bundle into place. Returns `out`."""
         assert self.tmp is not None
         files = {}
         for p in sorted(self.tmp.rglob("*")):
@@ -132,6 +134,8 @@ class BundleWriter:
         text = manifest.to_json()
         with disk_full_is_an_error(self.tmp / MANIFEST, len(text), MANIFEST):
             (self.tmp / MANIFEST).write_text(text)
+        if sign is not None:
+            sign(self.tmp)
         check_output(self.out, self.force)  # the folder may have appeared while we compiled
         old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         keep = [p for p in self.out.iterdir() if p.name in PLACEHOLDERS] if self.out.is_dir() else []

@@ -102,6 +102,8 @@ def compile_cmd(
     force: bool = typer.Option(False, "--force", help="replace an existing bundle (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
     probes: bool = typer.Option(False, "--probes", help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="PEM elliptic-curve private key: sign the bundle "
+                                                                    "(OpenSSF model-signing) before it is moved into place"),
 ) -> None:
     """Compile every bucket of a config (or of a checkpoint folder) into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
@@ -111,6 +113,10 @@ def compile_cmd(
     from dsneuron.runtime_min.bundle import check_target
 
     check_target(target)  # fail fast, before reading anything
+    if sign_key is not None:
+        from dsneuron.runtime_min.signing import check_private_key
+
+        check_private_key(sign_key)
     plan_flags = {"--max-seq-len": max_seq_len, "--batch-sizes": batch_sizes, "--prefill-lens": prefill_lens,
                   "--decode-lens": decode_lens}
     if (config is None) == (checkpoint is None):
@@ -131,7 +137,7 @@ def compile_cmd(
     check_output(out, force)
     parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes, target=target)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
-                            console=console)
+                            console=console, sign_key=sign_key)
 
 
 @app.command("run")
@@ -149,6 +155,9 @@ def run_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
     stats: bool = typer.Option(False, "--stats", help="print prefill time, time to first token and decode tokens/s "
                                                       "to stderr"),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
+                                              help="PEM public key: refuse the bundle unless it is signed by its "
+                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.session import Session
@@ -156,7 +165,7 @@ def run_cmd(
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
     prompts = read_prompts_file(prompts_file) if prompts_file is not None else None
-    session = Session.load(bundle)
+    session = Session.load(bundle, verify_key)
     if prompts is None:
         def emit(_row: int, piece: str) -> None:
             sys.stdout.write(piece)
@@ -205,11 +214,15 @@ def read_prompts_file(path: Path) -> list[str]:
 @app.command("compare")
 def compare_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile` (--probes for the stage table)"),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: the shipped short/medium/long)"),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="one prompt per line (default: the shipped short/medium/long, "
+                                                                    "or short/small_medium/small_long when those do not fit)"),
     decode: int = typer.Option(8, "--decode", help="teacher-forced decode steps after each prompt"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure as JSON here"),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint the bundle was built from (default: the manifest's)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where the deterministic checkpoint lives (as for compile)"),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
+                                              help="PEM public key: refuse the bundle unless it is signed by its "
+                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
 ) -> None:
     """The bundle against the eager golden model: end to end next to the floor, and stage by stage.
     Exits 1 when any prompt's end-to-end drift is worse than the floor (a wrong checkpoint shows here)."""
@@ -223,7 +236,8 @@ def compare_cmd(
     if json_out is not None and json_out.is_dir():
         raise UserError(f"--json {json_out}: is a folder; give a file path")
     chosen = read_prompts(prompts) if prompts is not None else None  # None: the shipped ones that fit
-    reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False))
+    reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False),
+                             verify_key=verify_key)
     render(reports, console)
     if json_out is not None:
         json_out.write_text(json.dumps({"bundle": str(bundle), "prompts": [r.to_dict() for r in reports]}, indent=1))
@@ -233,12 +247,33 @@ def compare_cmd(
         raise typer.Exit(1)
 
 
+@app.command("sign")
+def sign_cmd(
+    bundle: Path = typer.Argument(..., help="bundle folder"),
+    key: Path = typer.Option(..., "--key", help="PEM elliptic-curve private key (P-256/384/521)"),
+) -> None:
+    """Sign an existing bundle (OpenSSF model-signing, key-based): writes its signature.sig."""
+    from dsneuron.runtime_min.bundle import open_bundle
+    from dsneuron.runtime_min.signing import check_private_key, sign_bundle
+
+    check_private_key(key)
+    b = open_bundle(bundle)  # only a bundle that verifies as it is gets signed
+    path = sign_bundle(b.root, key)
+    console.print(f"signed {b.root}: {path.name}")
+
+
 @app.command("inspect")
-def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> None:
-    """Print a bundle's target, versions, buckets and file sizes, then verify it (exit 2 on a problem)."""
+def inspect_cmd(
+    bundle: Path = typer.Argument(..., help="bundle folder"),
+    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
+                                              help="PEM public key: refuse the bundle unless it is signed by its "
+                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
+) -> None:
+    """Print a bundle's target, versions, signature, buckets and file sizes, then verify it (exit 2 on a problem)."""
     from rich.table import Table
 
     from dsneuron.runtime_min.bundle import open_bundle, read_manifest
+    from dsneuron.runtime_min.signing import SIGNATURE, signer_hint
 
     root = Path(bundle).absolute()
     m = read_manifest(root)
@@ -275,8 +310,11 @@ def inspect_cmd(bundle: Path = typer.Argument(..., help="bundle folder")) -> Non
     console.print(f"weights {n_weights} tensors{prepared}, {sizes.get(m.weights_file, 0) / 2**20:.1f} MiB; "
                   f"executables {exe / 2**20:.1f} MiB; total {sum(sizes.values()) / 2**20:.1f} MiB; "
                   f"state tensors {len(m.state)}; engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
-    open_bundle(root)
-    console.print("verified: schema, target, toolchain and every checksum OK")
+    hint = signer_hint(root)
+    console.print(f"signature: {'none (unsigned)' if hint is None else f'{SIGNATURE}, by the key with sha256 {hint}'}")
+    open_bundle(root, verify_key)
+    console.print("verified: schema, target, toolchain and every checksum OK"
+                  + (f"; signature by {verify_key} OK" if verify_key is not None else ""))
 
 
 def _on_sigterm(signum: int, frame) -> None:

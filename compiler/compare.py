@@ -213,11 +213,12 @@ class PromptReport:
 
 
 def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode: int = 8, checkpoint: Path | None = None,
-                   cache_dir: Path | None = None, log: Callable[[str], None] = print) -> list[PromptReport]:
+                   cache_dir: Path | None = None, log: Callable[[str], None] = print,
+                   verify_key: Path | None = None) -> list[PromptReport]:
     """Run the comparison (module docstring) for each prompt that fits the bundle.
 
     prompts: [(name, text)]; None takes the shipped ones (default_prompts.NAMES), or the small set
-    (SMALL_NAMES) when one of those does not fit the bundle.
+    (SMALL_NAMES) when one of those does not fit the bundle. verify_key: as Session.load.
     checkpoint: the checkpoint the bundle was compiled from (default: the manifest's compile.checkpoint,
     or the deterministic one of its seed, made under `cache_dir` if missing).
     Raises BundleError for a bundle that does not load, UserError when no prompt fits its buckets or
@@ -232,7 +233,7 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode
 
     if n_decode < 0:
         raise UserError(f"--decode must be >= 0, got {n_decode}")
-    session = Session.load(bundle)
+    session = Session.load(bundle, verify_key)
     m = session.manifest
     model_cfg = ModelConfig.from_dict(m.model_config)
     compile_cfg = CompileConfig.from_dict(m.compile_config)

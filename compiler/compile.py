@@ -156,9 +156,11 @@ def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]
 
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
                    target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
-                   flags: dict[str, Any] | None = None, console: Console | None = None) -> Path:
+                   flags: dict[str, Any] | None = None, console: Console | None = None,
+                   sign_key: Path | None = None) -> Path:
     """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
-    returns `out`.
+    returns `out`. sign_key: a PEM elliptic-curve private key; the bundle is then signed
+    (runtime_min/signing.py) before it appears at `out`.
 
     flags: backend option overrides, part of every cache key: Inductor config keys on cpu
     (compiler/backend_cpu.py); on neuron {"target", "lnc", "args", "bucket_args"}
@@ -171,6 +173,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     """
     console = console or Console(stderr=True)
     check_target(target, "compile")
+    if sign_key is not None:  # a bad key fails now, not after the compile
+        from dsneuron.runtime_min.signing import check_private_key
+
+        check_private_key(sign_key)
     plan = plan_buckets(compile_cfg, model_cfg)
     staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
     if staged:
@@ -284,7 +290,13 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
             prepare=recipes)
-        path = writer.commit(manifest)
+        sign = None
+        if sign_key is not None:
+            from dsneuron.runtime_min.signing import sign_bundle
+
+            def sign(folder: Path) -> None:
+                sign_bundle(folder, sign_key)
+        path = writer.commit(manifest, sign)
     n_exe = sum(len(b.files) for b in buckets)
     console.print(f"bundle written to {path} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
                   f"the cache at {cache.root})")

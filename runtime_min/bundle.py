@@ -5,6 +5,7 @@
    version are known (checked before any other field is read), every field parses, the bucket set
    is one a session can run, and its seal matches its content (schema.py: a hand-edited manifest is
    refused);
+   with a verify key, the bundle's signature checks out (runtime_min/signing.py);
 2. the dsneuron that wrote it is of this runtime's release line (`check_creator`: the same
    major.minor version, any patch);
 3. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports);
@@ -272,10 +273,16 @@ def read_manifest(root: Path) -> Manifest:
     return Manifest.from_json(text)
 
 
-def open_bundle(path: str | Path) -> Bundle:
-    """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem."""
+def open_bundle(path: str | Path, verify_key: str | Path | None = None) -> Bundle:
+    """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem.
+    verify_key: a PEM public key; the bundle must then carry a signature by its private key over
+    its files as they are (runtime_min/signing.py), checked right after the manifest parses."""
     root = Path(path).absolute()
     manifest = read_manifest(root)
+    if verify_key is not None:
+        from .signing import verify_bundle
+
+        verify_bundle(root, Path(verify_key))
     if manifest.target not in TARGETS:
         raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
     check_creator(manifest.created_by)

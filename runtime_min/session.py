@@ -199,10 +199,11 @@ class Session:
                               f"the model's vocabulary has {vocab}")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Session":
-        """Open and verify the bundle at `path` (runtime_min/bundle.py), load weights and tokenizer.
-        Executables load on first use. Raises BundleError naming the first problem."""
-        return cls(open_bundle(path))
+    def load(cls, path: str | Path, verify_key: str | Path | None = None) -> "Session":
+        """Open and verify the bundle at `path` (runtime_min/bundle.py; with `verify_key`, its
+        signature too), load weights and tokenizer. Executables load on first use. Raises
+        BundleError naming the first problem."""
+        return cls(open_bundle(path, verify_key))
 
     # ------------------------------------------------------------------ buckets
     def _lengths(self, kind: str, batch: int) -> list[int]:
