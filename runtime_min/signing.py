@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -97,9 +98,25 @@ def verify_bundle(root: Path, public_key: Path) -> None:
         if "Key mismatch" in text:
             raise BundleError(f"bundle {root} is signed by another key than {key}: refusing to load it") from None
         if "Signature mismatch" in text:
-            raise BundleError(f"bundle {root} was changed after it was signed ({text}): refusing to load it") from None
+            raise BundleError(f"bundle {root} was changed after it was signed ({_what_changed(text)}): refusing to "
+                              "load it") from None
         raise BundleError(f"bundle {root}: its {SIGNATURE} does not verify with {key} ({type(e).__name__}: {text[:200]})"
                           ": refusing to load it") from None
+
+
+def _what_changed(mismatch: str) -> str:
+    """"changed: a, b; added: c; removed: d" from model-signing's mismatch message (its digests left out)."""
+    mismatch = mismatch.replace("\\'", "'")  # the library formats a list: its quotes come escaped
+    parts = []
+    changed = re.findall(r"Hash mismatch for '([^']+)'", mismatch)
+    if changed:
+        parts.append("changed: " + ", ".join(changed))
+    for label, pattern in (("added", r"Extra files found in model '[^']*': ([^\]\"]+)"),
+                           ("removed", r"Missing files in model '[^']*': ([^\]\"]+)")):
+        m = re.search(pattern, mismatch)
+        if m:
+            parts.append(f"{label}: {m.group(1).strip(chr(39)).strip()}")
+    return "; ".join(parts) or mismatch[:200]
 
 
 def signer_hint(root: Path) -> str | None:
