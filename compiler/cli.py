@@ -25,6 +25,9 @@ from rich.console import Console
 
 from dsneuron import UserError
 
+#: the metavar of an on/off flag: none, where typer's help would print "<bool>" after a flag that takes no value
+FLAG = ""
+
 #: console width when the output is not a terminal (see the module docstring)
 PIPE_WIDTH = 512
 
@@ -53,7 +56,7 @@ def make_checkpoint_cmd(
     config: str = typer.Option(..., "--config", help="config JSON path or packaged name (tiny, micro)"),
     out: Path = typer.Option(..., "--out", help="output folder (must not exist unless --force)"),
     seed: int = typer.Option(0, "--seed", help="random seed; the same seed gives byte-identical files"),
-    force: bool = typer.Option(False, "--force", help="replace an existing output folder"),
+    force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing output folder"),
 ) -> None:
     """Write a deterministic random checkpoint in the HF layout of V4.1-Flash."""
     from dsneuron.compiler.config import load_config
@@ -66,7 +69,7 @@ def make_checkpoint_cmd(
 @app.command("inspect-checkpoint")
 def inspect_checkpoint_cmd(
     path: Path = typer.Argument(..., help="checkpoint folder"),
-    stats: bool = typer.Option(False, "--stats", help="also run the model and report numeric health"),
+    stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="also run the model and report numeric health"),
 ) -> None:
     """Validate a checkpoint and print its tensor families, dtypes, shapes and bytes."""
     from dsneuron.graphs.checkpoint import inspect_checkpoint
@@ -99,9 +102,9 @@ def compile_cmd(
                                                                           "[default: max-seq-len]"),
     out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
     target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK)"),
-    force: bool = typer.Option(False, "--force", help="replace an existing bundle (kept intact until the new one is complete)"),
+    force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing bundle (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
-    probes: bool = typer.Option(False, "--probes", help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
+    probes: bool = typer.Option(False, "--probes", metavar=FLAG, help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="PEM elliptic-curve private key: sign the bundle "
                                                                     "(OpenSSF model-signing) before it is moved into place"),
 ) -> None:
@@ -153,7 +156,7 @@ def run_cmd(
                                            "in float64, so a tiny T tends to greedy and a huge one to uniform"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling mass in (0, 1]"),
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
-    stats: bool = typer.Option(False, "--stats", help="print prefill time, time to first token and decode tokens/s "
+    stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="print prefill time, time to first token and decode tokens/s "
                                                       "to stderr"),
     verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
                                               help="PEM public key: refuse the bundle unless it is signed by its "

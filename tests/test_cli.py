@@ -104,3 +104,13 @@ def test_piped_inspect_keeps_lines_whole(monkeypatch, capsys, tmp_path):
     head = next(line for line in lines if line.startswith(str(deep)))
     assert len(head) > 80 and head.endswith(f"target cpu, dsneuron {dsneuron.__version__}")
     assert any(line.startswith("weights ") and line.endswith("engram hashing yes") for line in lines)
+
+
+def test_help_shows_no_value_after_flags(monkeypatch, capsys):
+    """An on/off flag takes no value, so its help line names none (typer prints "<bool>" by default)."""
+    for command, flag in (("compile", "--force"), ("compile", "--probes"), ("run", "--stats"),
+                          ("make-checkpoint", "--force"), ("inspect-checkpoint", "--stats")):
+        monkeypatch.setenv("COLUMNS", "200")
+        run_cli(monkeypatch, command, "--help")
+        line = next(x for x in capsys.readouterr().out.splitlines() if f"{flag} " in x)
+        assert "<bool>" not in line, line
