@@ -80,9 +80,9 @@ inline float ue8m0(float amax) {
   return ue8m0_ceil((amax < kAmaxFloor ? kAmaxFloor : amax) * kInvE4m3Max);  // NaN stays NaN
 }
 
-// one block x[0..block) -> out, scalar
+// max |x[0..block)|, NaN when any element is NaN (torch's amax); exact in any order
 template <class T>
-void block_scalar(const T* x, float* out, int64_t block) {
+float block_amax(const T* x, int64_t block) {
   float amax = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < block; ++i) {
@@ -90,7 +90,13 @@ void block_scalar(const T* x, float* out, int64_t block) {
     nan |= a != a;
     amax = a > amax ? a : amax;
   }
-  const float s = ue8m0(nan ? NAN : amax);
+  return nan ? NAN : amax;
+}
+
+// one block x[0..block) -> out, scalar
+template <class T>
+void block_scalar(const T* x, float* out, int64_t block) {
+  const float s = ue8m0(block_amax(x, block));
   for (int64_t i = 0; i < block; ++i) {
     float v = to_float(x[i]) / s;
     v = v < -kE4m3Max ? -kE4m3Max : v > kE4m3Max ? kE4m3Max : v;  // NaN passes
@@ -175,14 +181,7 @@ inline float e2m1(float v) {
 
 template <class T>
 void fp4_block(const T* x, float* out, int64_t block, int64_t scale_fmt) {
-  float amax = 0.0f;
-  bool nan = false;
-  for (int64_t i = 0; i < block; ++i) {
-    const float a = std::fabs(to_float(x[i]));
-    nan |= a != a;
-    amax = a > amax ? a : amax;
-  }
-  if (nan) amax = NAN;
+  const float amax = block_amax(x, block);
   float s;
   if (scale_fmt == 0) {
     s = ue8m0_ceil((amax < kFp4Ue8m0Floor ? kFp4Ue8m0Floor : amax) * kInvE2m1Max);
