@@ -22,7 +22,7 @@ from dsneuron.runtime_min import session as session_mod
 
 
 def test_ctrl_c_prints_interrupted_and_exits_130(monkeypatch, capsys, tmp_path):
-    def interrupt(path):
+    def interrupt(path, verify_key=None):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(session_mod.Session, "load", interrupt)
