@@ -39,7 +39,7 @@ def _mib(n: int) -> str:
 
 def check_free(path: Path, need: int, what: str) -> None:
     """Raise DiskFullError unless the file system of `path` has `need` bytes (+ SLACK_BYTES) free."""
-    free = free_bytes(path)
+    free = free_bytes(path)  # of the nearest existing folder, which a write into `path` fills
     if free < need + SLACK_BYTES:
         raise DiskFullError(f"not enough disk space for {what} in {Path(path).absolute()}: it needs "
                             f"{_mib(need)} (+ {_mib(SLACK_BYTES)} slack), {_mib(free)} free; free some space or "

@@ -104,7 +104,7 @@ class BundleWriter:
     def copy_in(self, src: Path, rel: str) -> None:
         """Copy file `src` into the bundle as `rel`; raises DiskFullError when the disk fills."""
         dst = self.path(rel)
-        with disk_full_is_an_error(dst, Path(src).stat().st_size, f"executable {rel}"):
+        with disk_full_is_an_error(self.out / rel, Path(src).stat().st_size, f"{rel} of the bundle"):
             shutil.copyfile(src, dst)
 
     def write_weights(self, weights: dict[str, torch.Tensor], rel: str = WEIGHTS) -> None:
@@ -113,8 +113,8 @@ class BundleWriter:
         fills while writing."""
         path = self.path(rel)
         need = sum(t.numel() * t.element_size() for t in weights.values())
-        check_free(path.parent, need, f"the bundle's {rel}")
-        with disk_full_is_an_error(path, need, f"the bundle's {rel}"):
+        check_free(self.out.parent, need, f"the bundle's {rel}")
+        with disk_full_is_an_error(self.out / rel, need, f"the bundle's {rel}"):
             save_file(weights, str(path))
         # safetensors creates the file owner-only; a bundle is meant to be shared like any output
         mask = os.umask(0)

@@ -82,9 +82,12 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise UserError(f"{flag}: expected comma-separated integers such as 128,512, got {text!r}") from None
+        values = []
+    if not values:
+        raise UserError(f"{flag}: expected comma-separated integers such as 128,512, got {text!r}")
+    return values
 
 
 @app.command("compile")

@@ -168,8 +168,11 @@ _RUNNING: StagedCompile | None = None
 
 
 def _worker_init() -> None:
-    """A worker runs torch single-threaded and leaves Ctrl-C to the parent, which terminates it."""
+    """A worker runs torch single-threaded and leaves Ctrl-C to the parent, which terminates it;
+    SIGTERM gets its default action back (the CLI's handler, inherited through fork, would turn the
+    parent's terminate() into an exception inside the task and let the worker take the next one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(1)
 
 

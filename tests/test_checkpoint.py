@@ -682,6 +682,7 @@ def test_compile_from_a_checkpoint_folder_reads_its_config_and_the_plan_flags(mi
     (["--config", "micro", "--max-seq-len", "64"], "--max-seq-len goes with --checkpoint"),
     (["--checkpoint", "{missing}"], "does not exist"),
     (["--checkpoint", "{ckpt}", "--prefill-lens", "16,x"], "--prefill-lens: expected comma-separated integers"),
+    (["--checkpoint", "{ckpt}", "--prefill-lens", ""], "--prefill-lens: expected comma-separated integers"),
     (["--checkpoint", "{ckpt}", "--max-seq-len", "64", "--prefill-lens", "128"], "compile.prefill_seq_lens: entries must "
                                                                                  "be in 1..max_seq_len=64"),
 ])

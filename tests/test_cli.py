@@ -114,3 +114,14 @@ def test_help_shows_no_value_after_flags(monkeypatch, capsys):
         run_cli(monkeypatch, command, "--help")
         line = next(x for x in capsys.readouterr().out.splitlines() if f"{flag} " in x)
         assert "<bool>" not in line, line
+
+
+def test_compile_workers_die_at_once_on_terminate():
+    """A staged-compile worker gets SIGTERM's default action back (it inherits the CLI's handler
+    through fork, which would turn the parent's terminate() into an exception inside one task and
+    let the worker run the next ones) and ignores SIGINT (the parent handles Ctrl-C)."""
+    code = ("import signal; from dsneuron.compiler import cli, staged; "
+            "signal.signal(signal.SIGTERM, cli._on_sigterm); staged._worker_init(); "
+            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
