@@ -166,10 +166,16 @@ def run_cmd(
                                                    "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
+    from dsneuron.runtime_min.sampling import check_params, check_seed
     from dsneuron.runtime_min.session import Session
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
+    # the checks that need no bundle come before its load (seconds for a large one)
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    check_params(temperature, top_p)
+    check_seed(seed)
     prompts = read_prompts_file(prompts_file) if prompts_file is not None else None
     session = Session.load(bundle, verify_key)
     if prompts is None:

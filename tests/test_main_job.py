@@ -101,6 +101,9 @@ def test_run_bad_prompt_options_exit_2_before_loading(tmp_path):
                           (("--prompts-file", str(tmp_path / "none.txt")), "none.txt: does not exist"),
                           (("--prompts-file", str(bad)), 'line 1: a JSON line needs a string "prompt"'),
                           (("--prompts-file", str(broken)), "line 1: not valid JSON"),
-                          (("--prompts-file", str(empty)), "holds no prompt")]:
+                          (("--prompts-file", str(empty)), "holds no prompt"),
+                          (("--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens must be a positive integer, got 0"),
+                          (("--prompt", "x", "--temperature", "-1"), "temperature"),
+                          (("--prompt", "x", "--seed", "-1"), "seed")]:
         r = _cli("run", nobundle, *args)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
