@@ -23,15 +23,14 @@ import re
 import shutil
 import signal
 import uuid
-from typing import Any, Callable
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
 
-from dsneuron.disk import check_free, disk_full_is_an_error
-
 from dsneuron import UserError
+from dsneuron.disk import check_free, disk_full_is_an_error
 from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
 
 from .cache import file_sha256

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -75,6 +75,15 @@ def inspect_checkpoint_cmd(
     from dsneuron.graphs.checkpoint import inspect_checkpoint
 
     inspect_checkpoint(path, stats=stats, console=console)
+
+
+def _verify_key_option() -> Any:
+    """The --verify-key option of the commands that open a bundle (run, inspect, compare)."""
+    from dsneuron.runtime_min.signing import VERIFY_KEY_ENV
+
+    return typer.Option(None, "--verify-key", envvar=VERIFY_KEY_ENV,
+                        help="PEM public key: refuse the bundle unless it is signed by its private key and unchanged "
+                             f"since (env {VERIFY_KEY_ENV})")
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -161,9 +170,7 @@ def run_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
     stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="print prefill time, time to first token and decode tokens/s "
                                                       "to stderr"),
-    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
-                                              help="PEM public key: refuse the bundle unless it is signed by its "
-                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
+    verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.sampling import check_params, check_seed
@@ -232,9 +239,7 @@ def compare_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure as JSON here"),
     checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="checkpoint the bundle was built from (default: the manifest's)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where the deterministic checkpoint lives (as for compile)"),
-    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
-                                              help="PEM public key: refuse the bundle unless it is signed by its "
-                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
+    verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """The bundle against the eager golden model: end to end next to the floor, and stage by stage.
     Exits 1 when any prompt's end-to-end drift is worse than the floor (a wrong checkpoint shows here)."""
@@ -277,9 +282,7 @@ def sign_cmd(
 @app.command("inspect")
 def inspect_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder"),
-    verify_key: Optional[Path] = typer.Option(None, "--verify-key", envvar="DSNEURON_VERIFY_KEY",
-                                              help="PEM public key: refuse the bundle unless it is signed by its "
-                                                   "private key and unchanged since (env DSNEURON_VERIFY_KEY)"),
+    verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Print a bundle's target, versions, signature, buckets and file sizes, then verify it (exit 2 on a problem)."""
     from rich.table import Table

@@ -225,7 +225,7 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode
     capacity, or n_decode < 0.
     """
     from dsneuron.compiler.config import CompileConfig
-    from dsneuron.compiler.default_prompts import SMALL_NAMES, default_prompts
+    from dsneuron.compiler.default_prompts import shipped_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.golden import Golden
@@ -240,18 +240,15 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode
     ckpt = Path(checkpoint) if checkpoint is not None else checkpoint_for(model_cfg, compile_cfg, cache_dir)
     max_prefill = max(b.seq_len for b in m.buckets if b.kind == "prefill")
 
-    def fits(text: str) -> bool:
-        n = len(session.encode(text))
-        return n <= max_prefill and n + n_decode <= session.max_capacity
+    def fits(ids: list[int]) -> bool:
+        return len(ids) <= max_prefill and len(ids) + n_decode <= session.max_capacity
 
     if prompts is None:
-        prompts = default_prompts()
-        if not all(fits(text) for _, text in prompts):
-            prompts = default_prompts(SMALL_NAMES)
+        prompts = shipped_prompts(lambda text: fits(session.encode(text)))
     todo, text_of = [], dict(prompts)
     for name, text in prompts:
         ids = session.encode(text)
-        if not fits(text):
+        if not fits(ids):
             log(f"skipping prompt {name!r}: {len(ids)} tokens + {n_decode} decode steps do not fit this bundle "
                 f"(largest prefill bucket {max_prefill}, context capacity {session.max_capacity})")
             continue

@@ -290,13 +290,9 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
             prepare=recipes)
-        sign = None
-        if sign_key is not None:
-            from dsneuron.runtime_min.signing import sign_bundle
+        from dsneuron.runtime_min.signing import sign_bundle
 
-            def sign(folder: Path) -> None:
-                sign_bundle(folder, sign_key)
-        path = writer.commit(manifest, sign)
+        path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))
     n_exe = sum(len(b.files) for b in buckets)
     console.print(f"bundle written to {path} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
                   f"the cache at {cache.root})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 from dsneuron import UserError
 
@@ -20,6 +21,12 @@ def default_prompts(names: tuple[str, ...] = NAMES) -> list[tuple[str, str]]:
     """[(name, text)] of the shipped prompts `names` (default NAMES), in that order."""
     root = resources.files("dsneuron.compiler") / "prompts"
     return [(name, (root / f"{name}.txt").read_text(encoding="utf-8")) for name in names]
+
+
+def shipped_prompts(fits: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """The shipped prompts for a bundle: NAMES when `fits(text)` holds for all of them, else SMALL_NAMES."""
+    prompts = default_prompts()
+    return prompts if all(fits(text) for _, text in prompts) else default_prompts(SMALL_NAMES)
 
 
 def read_prompts(path: Path) -> list[tuple[str, str]]:

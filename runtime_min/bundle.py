@@ -193,7 +193,7 @@ class Bundle:
         taken = {n for b in m.buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
         consumed = {n for p in m.prepare for n in (*p.weights, *p.scales)}
         with safe_open(path, framework="pt") as f:
-            names = list(f.keys())
+            names = set(f.keys())
             weights = {n: self._loaded(f, n) for n in names if n in taken or n not in consumed}
         for n in (*m.load_casts, *m.weight_views):
             if n not in names:

@@ -96,7 +96,7 @@ def test_every_packaged_config_gets_three_shipped_prompts_that_fit(config):
     and its longest prompt is longer than the model's attention window."""
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.config import load_config
-    from dsneuron.compiler.default_prompts import NAMES, SMALL_NAMES, default_prompts
+    from dsneuron.compiler.default_prompts import NAMES, SMALL_NAMES, shipped_prompts
     from dsneuron.graphs.tokenizer import load_tokenizer
 
     model_cfg, compile_cfg, _ = load_config(config)
@@ -110,7 +110,7 @@ def test_every_packaged_config_gets_three_shipped_prompts_that_fit(config):
     def fits(text):
         return n_tokens(text) <= max_prefill and n_tokens(text) + 8 <= compile_cfg.max_seq_len
 
-    chosen = default_prompts() if all(fits(t) for _, t in default_prompts()) else default_prompts(SMALL_NAMES)
+    chosen = shipped_prompts(fits)
     assert [name for name, _ in chosen] == list(NAMES if config == "tiny" else SMALL_NAMES)
     assert all(fits(t) for _, t in chosen)
     assert max(n_tokens(t) for _, t in chosen) > model_cfg.window_size
