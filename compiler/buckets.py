@@ -54,6 +54,11 @@ class PlannedBucket:
     def label(self) -> str:
         return f"{self.kind} b{self.batch} s{self.length}"
 
+    @property
+    def batch_label(self) -> str:
+        """The label of what every bucket of this batch size shares (the per-token stages)."""
+        return f"b{self.batch}"
+
 
 @dataclass(frozen=True)
 class BucketPlan:

@@ -390,7 +390,7 @@ def render(reports: list[PromptReport], console: Any) -> None:
         console.print(f"end to end, mean 1 - cos: bundle {v['bundle']:.2e}; floors {v['floor']:.2e} (reversed K) and "
                       f"{v['nudge']:.2e} (nudged); the floor used is the larger, {name} ({used:.2e}), margin "
                       f"{used - v['bundle']:+.2e}{ratio}: {'no worse than the floor' if v['ok'] else 'WORSE than the floor'}"
-                      f"{local}")
+                      f"{local}", soft_wrap=True)  # one line a script can grep, whatever the terminal width
         if not rep.stages:
             console.print("no stage probes in this bundle: compile it with --probes for the stage-by-stage table")
             continue
@@ -408,7 +408,8 @@ def render(reports: list[PromptReport], console: Any) -> None:
                            f"{a['bundle.max_rel']:.2e} | {a['floor.max_rel']:.2e}", local, "")
         console.print(st)
         stage, ulps = worst_local(rep)
-        console.print(f"largest local error (golden stage on the bundle's input): {ulps:.3g} bf16 ulps at {stage or '-'} (goal: <= 2)")
+        console.print(f"largest local error (golden stage on the bundle's input): {ulps:.3g} bf16 ulps at {stage or '-'} (goal: <= 2)",
+                      soft_wrap=True)
         sel_stage, rows = worst_local(rep, "rows_differ")
         console.print("local selections (golden top-k on the bundle's input): "
                       + (f"rows differ at {sel_stage}, share {rows:.3f}" if rows else "all identical"))

@@ -209,19 +209,22 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     weight_views: dict[str, str] = {}
     facts: dict[str, dict[str, Any]] = {}
     compiled = 0
+    # the per-token stages of a batch size take any token count up to its largest prefill
+    per_token_lens = {b.batch: max(p.seq_len for p in plan.buckets if p.kind == "prefill" and p.batch == b.batch)
+                      for b in plan.buckets if any(p.kind == "prefill" and p.batch == b.batch for p in plan.buckets)}
     with BundleWriter(out, force) as writer, _progress(console) as progress:
         tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
         for pb in plan.buckets:
             task, rel, stem = tasks[pb], rels[pb], stems[pb]
             t0 = time.perf_counter()
             key_flags, key_toolchain = backend.key_ingredients(stem)
-            prekey = pre_key(fp, dataclasses.asdict(pb), wdigest, key_flags, key_toolchain, target,
-                             backend.name) if fp else None
+            shape = {**dataclasses.asdict(pb), **({"per_token_len": per_token_lens.get(pb.batch)} if staged else {})}
+            prekey = pre_key(fp, shape, wdigest, key_flags, key_toolchain, target, backend.name) if fp else None
             if staged:
                 if sc is None:
                     sc = StagedCompile(parts, backend, cache, (key_flags, key_toolchain, target))
                 progress.update(task, status="planning")
-                hit = sc.plan(pb, prekey, rel)
+                hit = sc.plan(pb, prekey, rel, per_token_lens.get(pb.batch))
                 progress.update(task, status="cached" if hit else "waiting to compile", completed=hit)
                 continue
             record = cache.get_alias(prekey) if prekey else None
@@ -253,7 +256,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                                   cache_key=record["graph_key"]))
             progress.update(task, status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
         if sc is not None:
-            todo = {t.bucket for t in sc.tasks}
+            todo = {pb for t in sc.tasks for pb in t.buckets}
             t0 = time.perf_counter()
             workers = min(default_workers(), len(sc.tasks))
 

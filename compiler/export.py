@@ -51,11 +51,14 @@ class StepGraph:
 class StageGraph:
     """One stage of a staged bucket (runtime_min/schema.py): `graph` names its inputs and outputs
     by wiring name; stages of one `kind` in one bucket trace to the same graph and share one
-    executable (graphs/stages.py)."""
+    executable (graphs/stages.py). per_token: the graph takes any token count up to the compile's
+    largest (dim 1 of its token-major inputs and outputs), and every bucket of its batch size
+    shares its executable."""
 
     name: str
     kind: str
     graph: StepGraph
+    per_token: bool = False
 
 
 class StepFactory(Protocol):

@@ -60,11 +60,13 @@ class GraphsStepFactory:
         return ("logits", *m.state_names, *(PROBE_PREFIX + n for n in m.probe_names()))
 
     def stages(self, kind: str, batch: int, seq_len: int, capacity: int, min_seq_len: int = 0,
-               seq_len_step: int = 1) -> list[StageGraph]:
+               seq_len_step: int = 1, per_token_len: int | None = None) -> list[StageGraph]:
         """The bucket as graphs.stages stages, with example inputs at (batch, seq_len) and, when
         min_seq_len > 0 (prefill), the token dimension dynamic: the multiples of seq_len_step in
         min_seq_len..seq_len. The engram tables' row dimension is dynamic too, so both engram
-        layers share one executable."""
+        layers share one executable. With per_token_len, the per-token stages (embed, engram, MoE
+        half) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
+        so that one executable of each serves every bucket of the batch size."""
         model = self.models[capacity]
         built = stages.build_stages(model, kind, batch, capacity, order=self.order)
         if self.probes:
@@ -79,10 +81,16 @@ class GraphsStepFactory:
         dynamic_tables = {n: {0: "engram_rows"} for n, _ in model.named_parameters() if ".engram.embed." in n}
         out = []
         for st in built:
-            examples = tuple((n, torch.zeros([int(d) for d in fakes[n].shape], dtype=fakes[n].dtype)) for n in st.inputs)
+            shapes = {n: [int(d) for d in fakes[n].shape] for n in st.inputs}
             dynamic = {**dynamic_tables}
             bounds = {"engram_rows": (2, 2**62, 1)} if dynamic_tables else {}
-            if min_seq_len:
+            per_token = st.per_token and per_token_len is not None
+            if per_token:
+                bounds["T"] = (1, per_token_len, 1)
+                for n in st.inputs:  # every input of a per-token stage is token-major
+                    shapes[n][1] = per_token_len
+                    dynamic[n] = {1: "T"}
+            elif min_seq_len:
                 bounds["S"] = (min_seq_len, seq_len, seq_len_step)
                 for n in st.inputs:
                     if n in ("tokens", "h", "pre_mix") or n.startswith("engram_ids.") or n.endswith(".topk_idxs"):
@@ -93,7 +101,8 @@ class GraphsStepFactory:
                             raise CompileError(f"{st.name}: a dynamic prefill needs the candidate source {layer} at "
                                                f"compress ratio 1 (its candidates are [B, S, S // ratio])")
                         dynamic[n] = {1: "S", 2: "S"}
-            out.append(StageGraph(st.name, st.kind, StepGraph(st.module, examples, st.outputs, dynamic, bounds)))
+            examples = tuple((n, torch.zeros(shapes[n], dtype=fakes[n].dtype)) for n in st.inputs)
+            out.append(StageGraph(st.name, st.kind, StepGraph(st.module, examples, st.outputs, dynamic, bounds), per_token))
         return out
 
 

@@ -44,12 +44,14 @@ from .lower import finish
 
 @dataclass
 class _Task:
-    """One executable to make: the stage graph of a kind's first stage in a bucket."""
+    """One executable to make: the stage graph of a kind's first stage in a bucket, and every
+    bucket that runs it (more than one for a per-token kind: all buckets of its batch size)."""
 
     bucket: PlannedBucket
     kind: str
     graph: StageGraph
     label: str
+    buckets: list[PlannedBucket] = field(default_factory=list)
 
 
 @dataclass
@@ -63,20 +65,30 @@ class StagedCompile:
     key_parts: tuple
     records: dict[PlannedBucket, dict[str, Any]] = field(default_factory=dict)
     tasks: list[_Task] = field(default_factory=list)
+    owners: dict[tuple, _Task] = field(default_factory=dict)
     compiled: int = 0
 
-    def plan(self, pb: PlannedBucket, prekey: str | None, folder: str) -> bool:
-        """Queue what bucket `pb` needs; returns True when its record came from the front index."""
+    def plan(self, pb: PlannedBucket, prekey: str | None, folder: str, per_token_len: int | None = None) -> bool:
+        """Queue what bucket `pb` needs; returns True when its record came from the front index.
+        per_token_len: the token range of the per-token stage kinds of pb's batch size (the largest
+        prefill of that batch), whose executables every bucket of that batch size shares; None
+        compiles them at pb's own shape."""
         record = self.cache.get_alias(prekey) if prekey else None
         if record is not None:
             self.records[pb] = record
             return True
-        graphs = self.parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step)
+        graphs = self.parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step,
+                                         per_token_len)
         ext = Path(bucket_file(pb.kind, pb.batch, pb.length, self.key_parts[2])).suffix
         stages, views, specs = [], {}, {}
         for sg in graphs:
-            if sg.kind not in {t.kind for t in self.tasks if t.bucket == pb}:
-                self.tasks.append(_Task(pb, sg.kind, sg, f"{pb.label} {sg.name}"))
+            # a per-token kind is one task per batch size, the others one per bucket
+            owner = ("per-token", pb.batch, sg.kind) if sg.per_token else (pb, sg.kind)
+            if owner not in self.owners:
+                self.owners[owner] = _Task(pb, sg.kind, sg, f"{pb.batch_label if sg.per_token else pb.label} {sg.name}")
+                self.tasks.append(self.owners[owner])
+            if pb not in self.owners[owner].buckets:
+                self.owners[owner].buckets.append(pb)
             names, _ = bind_weights(sg.graph.module, self.parts.weights, sg.name, module_order=True)
             views.update({n: dtype_name(self.backend.input_views[self.parts.weights[n].dtype]) for n in names
                           if self.parts.weights[n].dtype in self.backend.input_views})
@@ -105,8 +117,8 @@ class StagedCompile:
                     results.append(_make(i))
                     progress(i + 1, total)
             else:
-                # the blocks first (the largest graphs; a source block's more than a consumer's)
-                order = sorted(range(total), key=lambda i: (not self.tasks[i].kind.startswith("block"),
+                # the block halves first (the largest graphs; a source's attention more than a consumer's)
+                order = sorted(range(total), key=lambda i: (not self.tasks[i].kind.startswith(("attn", "ffn")),
                                                             -len(self.tasks[i].kind)))
                 ctx = multiprocessing.get_context("fork")
                 pool = concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx,
@@ -128,10 +140,14 @@ class StagedCompile:
         finally:
             _RUNNING = None
         for task, res in zip(self.tasks, results):
-            rec = self.records[task.bucket]
-            rec.setdefault("kinds", {})[task.kind] = res["key"]
-            rec.setdefault("custom_ops", {}).update(res["custom_ops"])
-            rec.setdefault("kind_outputs", {})[task.kind] = res["outputs"]
+            for pb in task.buckets:
+                rec = self.records[pb]
+                rec.setdefault("kinds", {})[task.kind] = res["key"]
+                rec.setdefault("custom_ops", {}).update(res["custom_ops"])
+                outputs = res["outputs"]
+                if task.graph.per_token:  # the token dimension at this bucket's own length
+                    outputs = [{**o, "shape": [o["shape"][0], pb.seq_len, *o["shape"][2:]]} for o in outputs]
+                rec.setdefault("kind_outputs", {})[task.kind] = outputs
             self.compiled += res["compiled"]
 
     def bucket(self, pb: PlannedBucket, writer: BundleWriter, folder: str) -> Bucket:

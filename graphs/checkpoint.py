@@ -55,6 +55,7 @@ of these constants is the job of `model_health_stats`, the hook `inspect-checkpo
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -384,14 +385,18 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
     threads = torch.get_num_threads()
     # The work is many ~1M-element elementwise ops. On a shared machine, OpenMP threads spin
     # against other processes and run these 7-10x slower than one thread does (measured on the
-    # 2-core dev box); single-threaded stays within 2x of the idle multi-threaded speed.
+    # 2-core dev box). So torch runs single-threaded and the tensors are drawn in parallel instead,
+    # one per Python thread (torch releases the GIL in its ops); each tensor has its own generator,
+    # so the files do not depend on the thread count.
     torch.set_num_threads(1)
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, os.cpu_count() or 1)))
     try:
         weight_map: dict[str, str] = {}
         total = 0
         for i, names in enumerate(plan):
             shard = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-            tensors = dict(pair for name in names for pair in _stored(spec[name], cfg, seed))
+            drawn = pool.map(lambda name: _stored(spec[name], cfg, seed), names)
+            tensors = dict(pair for pairs in drawn for pair in pairs)
             for name, t in tensors.items():
                 _check_drawn(spec[name], t)
                 weight_map[name] = shard
@@ -411,6 +416,7 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
+        pool.shutdown(cancel_futures=True)
         torch.set_num_threads(threads)
     if console is not None:
         console.print(f"wrote {out}: {len(weight_map)} tensors in {len(plan)} shards, "

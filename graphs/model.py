@@ -968,6 +968,12 @@ class Block(nn.Module):
 
     def forward(self, x, pre_mix, ctx: StepInputs, state: dict, new: dict, shared: dict, routed: bool):
         """x bf16 [B,S,hc,D], pre_mix fp32 [B,S,hc] -> (x', ffn_pre [B,S,hc])."""
+        x, attn_pre = self.attn_sublayer(x, pre_mix, ctx, state, new, shared)
+        return self.ffn_sublayer(x, attn_pre, ctx.capture, routed)
+
+    def attn_sublayer(self, x, pre_mix, ctx: StepInputs, state: dict, new: dict, shared: dict):
+        """The attention half: x bf16 [B,S,hc,D], pre_mix fp32 [B,S,hc] -> (x', attn_pre [B,S,hc]),
+        the stream after attention and the pre-mix the MoE half collapses it with."""
         cap, p = ctx.capture, f"layers.{self.layer_id}"
         residual = x
         attn_pre, attn_post, attn_comb = self.hc_mixes(x, "attn")
@@ -978,7 +984,13 @@ class Block(nn.Module):
         _cap(cap, f"{p}.attn.in", y)
         y = self.attn(y, ctx, state, new, shared)
         _cap(cap, f"{p}.attn.out", y)
-        x = hc_post(y, residual, attn_post, attn_comb)
+        return hc_post(y, residual, attn_post, attn_comb), attn_pre
+
+    def ffn_sublayer(self, x, attn_pre, cap: Capture | None, routed: bool):
+        """The MoE half: x bf16 [B,S,hc,D], attn_pre fp32 [B,S,hc] -> (x', ffn_pre [B,S,hc]). It
+        reads no state and no position, so every layer with the same expert counts has the same
+        structure here."""
+        p = f"layers.{self.layer_id}"
         residual = x
         ffn_pre, ffn_post, ffn_comb = self.hc_mixes(x, "ffn")
         _cap(cap, f"{p}.hc_ffn.pre", ffn_pre)
@@ -1005,8 +1017,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.max_seq_len = cfg, max_seq_len
         rows = dict(zip(cfg.engram_layer_ids, engram_num_embeddings))
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16)
-        self.embed.weight.requires_grad_(False)
+        # _weight: no random init of a table the checkpoint replaces (2.3 s for tiny's)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim, dtype=torch.bfloat16),
+                                  _freeze=True)
         self.layers = nn.ModuleList([Block(cfg, i, rows.get(i)) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # bf16 in the checkpoint, held fp32 so the logits come out in fp32 (ParallelHead)

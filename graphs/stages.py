@@ -1,12 +1,16 @@
 """The step functions as a sequence of stage graphs: the unit the cpu target compiles.
 
-A step (graphs.steps.prefill / decode) runs embed -> [engram] -> block 0 -> ... -> block n-1 -> head.
-Here each of those is a stage module with positional tensor inputs and outputs, and a `kind`: the
-structure of the stage (a block's compress ratio and its role as kv, index or candidate source or
-consumer; an engram; the embedding; the head), independent of which layer it is. Stages of one kind
-trace to the same graph with other weights, so a compiler builds one executable per kind and step
-shape and reuses it for every layer of that kind (the compile cost grows with the layer kinds, not
-the layers: tiny's 10 layers are 6 block kinds, V4.1-Flash's 40 are 6 as well).
+A step (graphs.steps.prefill / decode) runs embed -> [engram] -> block 0 -> ... -> block n-1 -> head,
+and each block is two stages: its attention half and its MoE half (graphs.model Block.attn_sublayer,
+Block.ffn_sublayer). Each stage is a module with positional tensor inputs and outputs, and a `kind`:
+the structure of the stage (an attention half's compress ratio and its role as kv, index or
+candidate source or consumer; a MoE half's expert counts; an engram; the embedding; the head),
+independent of which layer it is. Stages of one kind trace to the same graph with other weights, so
+a compiler builds one executable per kind and step shape and reuses it for every layer of that kind
+(the compile cost grows with the layer kinds, not the layers: tiny's 10 layers are 6 attention kinds
+and 1 MoE kind, V4.1-Flash's 40 are 6 and 1 as well). The MoE half is the larger graph and the same
+in every layer, which is why it is a stage of its own: it is compiled once per step shape, not once
+per attention kind, and it is the unit expert parallelism shards.
 
 Values flow between stages by name (the bundle's wiring):
 
@@ -47,9 +51,12 @@ DATA = {"prefill": ("tokens", "valid_len"), "decode": ("tokens", "pos")}
 class Stage:
     """One stage of a step: `module(*inputs) -> outputs`, wired by name.
 
-    name: "embed", "layers.L.engram", "layers.L" or "head"; kind: the structural key (stages of one
-    kind and step shape share an executable); inputs / outputs: wiring names, positional (probe
-    outputs last, named "probe.<captured name>"); layer: the layer index (None for embed / head).
+    name: "embed", "layers.L.engram", "layers.L.attn", "layers.L.ffn" or "head"; kind: the
+    structural key (stages of one kind and step shape share an executable); inputs / outputs:
+    wiring names, positional (probe outputs last, named "probe.<captured name>"); layer: the layer
+    index (None for embed / head); per_token: the stage computes each token on its own (no
+    position, state or other token enters it: embed, engram, MoE half), so one executable over a
+    dynamic token count serves prefill and decode alike.
     """
 
     name: str
@@ -58,14 +65,15 @@ class Stage:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     layer: int | None = None
+    per_token: bool = False
 
 
-def block_kind(cfg: ModelConfig, layer: int) -> str:
-    """The structural key of block `layer`: compress ratio, and whether it is a kv source (owns a
-    compressed cache), an index source (runs an indexer), the candidate source, or an index source
-    filtered by candidates. Blocks with equal keys trace to the same graph."""
+def attn_kind(cfg: ModelConfig, layer: int) -> str:
+    """The structural key of block `layer`'s attention half: compress ratio, and whether it is a kv
+    source (owns a compressed cache), an index source (runs an indexer), the candidate source, or an
+    index source filtered by candidates. Attention halves with equal keys trace to the same graph."""
     r = cfg.compress_ratios[layer]
-    parts = [f"block_r{r}"]
+    parts = [f"attn_r{r}"]
     if r:
         if layer in cfg.kv_source_layers:
             parts.append("kv")
@@ -76,6 +84,13 @@ def block_kind(cfg: ModelConfig, layer: int) -> str:
             elif 0 <= cfg.candidate_source_layer < layer:
                 parts.append("candfilter")
     return "_".join(parts)
+
+
+def ffn_kind(cfg: ModelConfig, layer: int) -> str:
+    """The structural key of block `layer`'s MoE half: its routed and activated expert counts (the
+    same for every main layer, so one kind)."""
+    n, k = cfg.moe_experts(layer)
+    return f"ffn_e{n}_k{k}"
 
 
 def _own_state(cfg: ModelConfig, layer: int, batch: int, capacity: int) -> list[str]:
@@ -159,21 +174,24 @@ class EngramStage(_Captures):
         return self._finish((engram_at(self.engram, self.layer, h, hash_ids, cap),), cap)
 
 
-class BlockStage(_Captures):
-    """Block `layer` of a prefill or decode step. It holds the block without its engram (a stage
-    of its own) and the RoPE tables, so blocks of one kind have the same parameters and buffers.
+class AttnStage(_Captures):
+    """The attention half of block `layer` (graphs.model Block.attn_sublayer) in a prefill or
+    decode step, with the RoPE tables; it holds only the attention's parameters, so attention
+    halves of one kind have the same parameters and buffers.
 
     forward(h, pre_mix, valid_len | pos, *own state (decode only), *shared inputs)
-        -> (h, pre_mix, *own state, *shared outputs, *probes)
+        -> (h, pre_mix, *own state, *shared outputs, *probes); the pre_mix out is the one the MoE
+        half of the same layer collapses the stream with
     """
 
     def __init__(self, model: Transformer, layer: int, step: str, batch: int, capacity: int):
         super().__init__()
         cfg = model.cfg
         self.cfg, self.layer, self.step, self.capacity = cfg, layer, step, capacity
-        block = copy.copy(model.layers[layer])  # shares every parameter; drops only the engram
-        block._modules = {k: v for k, v in block._modules.items() if k != "engram"}
-        block.engram = None
+        block = copy.copy(model.layers[layer])  # shares every parameter; keeps only the attention's
+        block._modules = {k: v for k, v in block._modules.items() if k in ("attn", "attn_norm")}
+        block._parameters = {k: v for k, v in block._parameters.items() if k.startswith("hc_attn_")}
+        block._buffers = {k: v for k, v in block._buffers.items() if k.startswith("hc_attn_")}
         self.block = block
         for name in ("rope_cos_0", "rope_sin_0", "rope_cos_1", "rope_sin_1"):
             self.register_buffer(name, getattr(model, name), persistent=False)
@@ -204,9 +222,26 @@ class BlockStage(_Captures):
             rest = rest[len(self.state_names):]
         shared = dict(zip(self.shared_in, rest))
         new: dict[str, torch.Tensor] = {}
-        h, pre_mix = self.block(h, pre_mix, ctx, state, new, shared, routed=False)
+        h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
         outs = (h, pre_mix, *[new.get(n, state[n]) for n in self.state_names], *[shared[k] for k in self.shared_out])
         return self._finish(outs, cap)
+
+
+class FfnStage(_Captures):
+    """The MoE half of block `layer` (graphs.model Block.ffn_sublayer): (h, pre_mix) -> (h, pre_mix).
+    It has no state, position or shared input, so one kind serves every layer of the step."""
+
+    def __init__(self, model: Transformer, layer: int):
+        super().__init__()
+        block = copy.copy(model.layers[layer])  # shares every parameter; keeps only the MoE's
+        block._modules = {k: v for k, v in block._modules.items() if k in ("ffn", "ffn_norm")}
+        block._parameters = {k: v for k, v in block._parameters.items() if k.startswith("hc_ffn_")}
+        block._buffers = {k: v for k, v in block._buffers.items() if k.startswith("hc_ffn_")}
+        self.block, self.layer = block, layer
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor):
+        cap = self._capture()
+        return self._finish(self.block.ffn_sublayer(h, pre_mix, cap, routed=False), cap)
 
 
 class HeadStage(_Captures):
@@ -230,13 +265,16 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
         raise ValueError(f"build_stages: step must be prefill or decode, got {step!r}")
     cfg = model.cfg
     lens = DATA[step][1]
-    stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"))]
+    stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"), per_token=True)]
     for L in range(cfg.n_layers):
         if model.layers[L].engram is not None:
             e = cfg.engram_layer_ids.index(L)
-            stages.append(Stage(f"layers.{L}.engram", "engram", EngramStage(model, L), ("h", f"engram_ids.{e}"), ("h",), L))
-        block = BlockStage(model, L, step, batch, capacity)
-        stages.append(Stage(f"layers.{L}", block_kind(cfg, L), block, block.input_names, block.output_names, L))
+            stages.append(Stage(f"layers.{L}.engram", "engram", EngramStage(model, L), ("h", f"engram_ids.{e}"), ("h",), L,
+                                per_token=True))
+        attn = AttnStage(model, L, step, batch, capacity)
+        stages.append(Stage(f"layers.{L}.attn", attn_kind(cfg, L), attn, attn.input_names, attn.output_names, L))
+        stages.append(Stage(f"layers.{L}.ffn", ffn_kind(cfg, L), FfnStage(model, L), ("h", "pre_mix"), ("h", "pre_mix"), L,
+                            per_token=True))
     stages.append(Stage("head", "head", HeadStage(model, step), ("h", "pre_mix", lens), ("logits",)))
     for st in stages:
         st.module.order = order

@@ -37,14 +37,29 @@ def test_staged_prefill_and_decode_equal_the_steps(micro_golden, L):
             assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), (p, name)
 
 
-def test_block_kinds_name_the_distinct_structures(micro_cfg):
+def test_layer_kinds_name_the_distinct_structures(micro_cfg):
     from dsneuron.compiler.config import load_config
 
-    kinds = [st.block_kind(micro_cfg, L) for L in range(micro_cfg.n_layers)]
-    assert kinds == ["block_r0", "block_r2_kv_index", "block_r2", "block_r1_kv_index_candsrc", "block_r1",
-                     "block_r1_index_candfilter"]
+    kinds = [st.attn_kind(micro_cfg, L) for L in range(micro_cfg.n_layers)]
+    assert kinds == ["attn_r0", "attn_r2_kv_index", "attn_r2", "attn_r1_kv_index_candsrc", "attn_r1",
+                     "attn_r1_index_candfilter"]
+    assert {st.ffn_kind(micro_cfg, L) for L in range(micro_cfg.n_layers)} == {
+        f"ffn_e{micro_cfg.n_routed_experts}_k{micro_cfg.n_activated_experts}"}
     tiny = load_config("tiny")[0]
-    assert len({st.block_kind(tiny, L) for L in range(tiny.n_layers)}) == 6
+    assert len({st.attn_kind(tiny, L) for L in range(tiny.n_layers)}) == 6
+    assert len({st.ffn_kind(tiny, L) for L in range(tiny.n_layers)}) == 1
+
+
+def test_each_half_holds_only_its_own_weights(micro_golden):
+    """A layer's attention stage and MoE stage together hold exactly the block's parameters (the
+    engram aside), with no parameter in both: each weight is bound to one executable."""
+    m = micro_golden.model
+    stages = {s.name: s for s in st.build_stages(m, "decode", 1, m.max_seq_len)}
+    for L, block in enumerate(m.layers):
+        attn = {id(p) for p in stages[f"layers.{L}.attn"].module.parameters()}
+        ffn = {id(p) for p in stages[f"layers.{L}.ffn"].module.parameters()}
+        whole = {id(p) for n, p in block.named_parameters() if not n.startswith("engram.")}
+        assert not attn & ffn and attn | ffn == whole, L
 
 
 def test_staged_probes_are_the_step_captures(micro_golden):
