@@ -296,7 +296,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         from dsneuron.runtime_min.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))
-    n_exe = sum(len(b.files) for b in buckets)
+    # a per-token executable is copied into every bucket of its batch size: count it once
+    n_exe = len({k for rec in sc.records.values() for k in rec["kinds"].values()}) if sc else len(buckets)
     console.print(f"bundle written to {path} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
                   f"the cache at {cache.root})")
     return path

@@ -87,9 +87,10 @@ class GraphsStepFactory:
             per_token = st.per_token and per_token_len is not None
             if per_token:
                 bounds["T"] = (1, per_token_len, 1)
-                for n in st.inputs:  # every input of a per-token stage is token-major
-                    shapes[n][1] = per_token_len
-                    dynamic[n] = {1: "T"}
+                for n in st.inputs:  # token-major, but the head's "last" [B]
+                    if len(shapes[n]) > 1:
+                        shapes[n][1] = per_token_len
+                        dynamic[n] = {1: "T"}
             elif min_seq_len:
                 bounds["S"] = (min_seq_len, seq_len, seq_len_step)
                 for n in st.inputs:

@@ -18,6 +18,7 @@ Values flow between stages by name (the bundle's wiring):
 |---|---|---|---|
 | tokens | [B, S] | int64 | data input |
 | valid_len / pos | [B] | int64 | data input of prefill / decode |
+| last | [B] | int64 | the position the head reads: valid_len - 1 / 0 (derived on the host, `head_position`) |
 | engram_ids.e | [B, S, C] | int64 | the hash ids of the e-th engram layer (the host splits engram_ids) |
 | h, pre_mix | [B, S, hc, D] / [B, S, hc] | bf16 / fp32 | the hyper-connection stream between stages |
 | layers.L.<state> | graphs.steps.state_layout | | layer L's decode state (prefill: outputs only) |
@@ -54,9 +55,10 @@ class Stage:
     name: "embed", "layers.L.engram", "layers.L.attn", "layers.L.ffn" or "head"; kind: the
     structural key (stages of one kind and step shape share an executable); inputs / outputs:
     wiring names, positional (probe outputs last, named "probe.<captured name>"); layer: the layer
-    index (None for embed / head); per_token: the stage computes each token on its own (no
-    position, state or other token enters it: embed, engram, MoE half), so one executable over a
-    dynamic token count serves prefill and decode alike.
+    index (None for embed / head); per_token: the stage needs nothing of its step but the tokens'
+    own values (no position, state or other token: embed, engram, MoE half, and the head, which is
+    told the position to read by "last"), so one executable over a dynamic token count serves
+    prefill and decode alike.
     """
 
     name: str
@@ -245,16 +247,22 @@ class FfnStage(_Captures):
 
 
 class HeadStage(_Captures):
-    """(h, pre_mix, valid_len | pos) -> logits [B, V] at each row's last position of the call."""
+    """(h, pre_mix, last) -> logits [B, V] at position last[b] of row b (`head_position`)."""
 
-    def __init__(self, model: Transformer, step: str):
+    def __init__(self, model: Transformer):
         super().__init__()
-        self.norm, self.head, self.step = model.norm, model.head, step
+        self.norm, self.head = model.norm, model.head
 
-    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, lens: torch.Tensor):
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor, last: torch.Tensor):
         cap = self._capture()
-        last = lens - 1 if self.step == "prefill" else torch.zeros_like(lens)
         return self._finish((head_logits(self.norm, self.head, h, pre_mix, last, cap),), cap)
+
+
+def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The wiring value "last", int64 [B]: the position within the call whose logits the head
+    returns, valid_len - 1 in a prefill (env has valid_len), 0 in a decode step (env has pos).
+    The runtime derives it the same way (runtime_min/executor_cpu.py StagedExecutable)."""
+    return env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
 
 
 def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending") -> list[Stage]:
@@ -264,7 +272,6 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
     if step not in DATA:
         raise ValueError(f"build_stages: step must be prefill or decode, got {step!r}")
     cfg = model.cfg
-    lens = DATA[step][1]
     stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"), per_token=True)]
     for L in range(cfg.n_layers):
         if model.layers[L].engram is not None:
@@ -275,7 +282,7 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
         stages.append(Stage(f"layers.{L}.attn", attn_kind(cfg, L), attn, attn.input_names, attn.output_names, L))
         stages.append(Stage(f"layers.{L}.ffn", ffn_kind(cfg, L), FfnStage(model, L), ("h", "pre_mix"), ("h", "pre_mix"), L,
                             per_token=True))
-    stages.append(Stage("head", "head", HeadStage(model, step), ("h", "pre_mix", lens), ("logits",)))
+    stages.append(Stage("head", "head", HeadStage(model), ("h", "pre_mix", "last"), ("logits",), per_token=True))
     for st in stages:
         st.module.order = order
     return stages
@@ -292,15 +299,23 @@ def with_probes(stages: list[Stage]) -> list[Stage]:
 def trace_stages(stages: list[Stage], env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run the stages on fake tensors made from `env` (no arithmetic; shapes and dtypes only) and
     return every wiring value's fake tensor. Fixes each probing stage's probe names and appends
-    them to its outputs."""
+    them to its outputs. A stage of a kind already traced on inputs of the same shapes and dtypes
+    is not run again (its outputs are those of the first, as stages of one kind trace to one
+    graph); a probing stage always runs, since its probe names carry its layer."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     # static input shapes (env's); the shape env is there for data-dependent sizes (routed MoE)
+    env = {**env, "last": head_position(env)}
+    traced: dict[tuple, tuple[torch.Tensor, ...]] = {}
     with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()) as mode:
         values = {n: mode.from_tensor(t, static_shapes=True) for n, t in env.items()}
         for st in stages:
-            outs = st.module(*[values[n] for n in st.inputs])
+            args = [values[n] for n in st.inputs]
+            key = (st.kind, *((tuple(a.shape), a.dtype) for a in args))
+            if st.module.probes or key not in traced:
+                traced[key] = st.module(*args)
+            outs = tuple(torch.empty_like(t) for t in traced[key])
             if st.module.probes:
                 own = tuple(n for n in st.outputs if not n.startswith("probe."))
                 st.outputs = own + tuple("probe." + n for n in st.module.probe_names)
@@ -321,8 +336,9 @@ def split_engram_ids(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def run_stages(stages: list[Stage], env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run `stages` eagerly in order on the wiring values `env` (data inputs, and the state for a
-    decode step); returns env with every stage output added (later writes of a name win)."""
-    env = dict(env)
+    decode step); returns env with every stage output added (later writes of a name win), and
+    "last" (`head_position`)."""
+    env = {**env, "last": head_position(env)}
     for st in stages:
         outs = st.module(*[env[n] for n in st.inputs])
         env.update(zip(st.outputs, outs))

@@ -119,6 +119,7 @@ class StagedExecutable:
                 loaders[st.file] = _load_package(root / st.file, st.file, len(st.weights), len(st.inputs))
             self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs))
         self._columns = any(n.startswith("engram_ids.") for st in bucket.stages for n in st.inputs)
+        self._last = any("last" in st.inputs for st in bucket.stages)
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """As CpuExecutable.run: inputs of `bucket.inputs`, outputs of `bucket.outputs`."""
@@ -127,6 +128,8 @@ class StagedExecutable:
         if self._columns:
             engram = env["engram_ids"]
             env.update({f"engram_ids.{e}": engram[:, :, e].contiguous() for e in range(engram.shape[2])})
+        if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
+            env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
         for loader, weights, names_in, names_out in self._stages:
             env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
         return [env[spec.name] for spec in self.bucket.outputs]

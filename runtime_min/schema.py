@@ -72,6 +72,10 @@ BUCKETS_DIR = "buckets"
 KINDS = ("prefill", "decode")
 #: the data inputs of each kind, in order, before the state inputs (module docstring)
 DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids")}
+#: wiring values of a staged bucket the runtime derives from its data inputs: "engram_ids.e" (column e
+#: of engram_ids, [B, S, C]) and "last" (int64 [B], the position the head reads: valid_len - 1 in a
+#: prefill, 0 in a decode step)
+DERIVED_INPUTS = ("engram_ids.e", "last")
 # Executable file extension per target.
 EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
 # Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was
@@ -585,12 +589,12 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
 
 
 def _check_stages(b: Bucket, where: str) -> None:
-    """A staged bucket's wiring: every stage input is a bucket input, an engram_ids column or an
-    output of an earlier stage; every bucket output is produced by some stage; a stage file lies
-    in the bucket's folder. Raises BundleError naming the first gap."""
+    """A staged bucket's wiring: every stage input is a bucket input, a derived input
+    (DERIVED_INPUTS) or an output of an earlier stage; every bucket output is produced by some
+    stage; a stage file lies in the bucket's folder. Raises BundleError naming the first gap."""
     if not b.stages:
         return
-    known = {s.name for s in b.inputs}
+    known = {s.name for s in b.inputs} | {"last"}
     for i, st in enumerate(b.stages):
         if not st.file.startswith(f"{b.file}/"):
             raise BundleError(f"{where}.stages[{i}].file: {st.file} is not in the bucket's folder {b.file}")
