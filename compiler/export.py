@@ -59,6 +59,8 @@ class StageGraph:
     kind: str
     graph: StepGraph
     per_token: bool = False
+    #: (shape, dtype) of each output at this bucket's shapes, in graph.outputs order
+    output_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
 
 class StepFactory(Protocol):

@@ -103,7 +103,9 @@ class GraphsStepFactory:
                                                f"compress ratio 1 (its candidates are [B, S, S // ratio])")
                         dynamic[n] = {1: "S", 2: "S"}
             examples = tuple((n, torch.zeros(shapes[n], dtype=fakes[n].dtype)) for n in st.inputs)
-            out.append(StageGraph(st.name, st.kind, StepGraph(st.module, examples, st.outputs, dynamic, bounds), per_token))
+            specs = tuple((tuple(int(d) for d in fakes[n].shape), fakes[n].dtype) for n in st.outputs)
+            out.append(StageGraph(st.name, st.kind, StepGraph(st.module, examples, st.outputs, dynamic, bounds), per_token,
+                                  specs))
         return out
 
 

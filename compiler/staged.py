@@ -80,7 +80,7 @@ class StagedCompile:
         graphs = self.parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step,
                                          per_token_len)
         ext = Path(bucket_file(pb.kind, pb.batch, pb.length, self.key_parts[2])).suffix
-        stages, views, specs = [], {}, {}
+        stages, views, specs, outputs = [], {}, {}, {}
         for sg in graphs:
             # a per-token kind is one task per batch size, the others one per bucket
             owner = ("per-token", pb.batch, sg.kind) if sg.per_token else (pb, sg.kind)
@@ -95,13 +95,15 @@ class StagedCompile:
             stages.append({"name": sg.name, "kind": sg.kind, "file": f"{folder}/{sg.kind}{ext}", "weights": list(names),
                            "inputs": [n for n, _ in sg.graph.inputs], "outputs": list(sg.graph.outputs)})
             specs.update({n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in sg.graph.inputs})
+            outputs.update({n: {"shape": list(shape), "dtype": dtype_name(dtype)}
+                            for n, (shape, dtype) in zip(sg.graph.outputs, sg.output_specs)})
         E, C = _engram_cols(graphs)
         inputs = [{"name": "tokens", "shape": [pb.batch, pb.seq_len], "dtype": "int64"},
                   {"name": DATA_INPUTS[pb.kind][1], "shape": [pb.batch], "dtype": "int64"},
                   {"name": "engram_ids", "shape": [pb.batch, pb.seq_len, E, C], "dtype": "int64"}]
         if pb.kind == "decode":
             inputs += [{"name": n, **specs[n]} for n in self.parts.steps.init_state(pb.batch, pb.capacity)]
-        self.records[pb] = {"stages": stages, "inputs": inputs, "views": views, "prekey": prekey}
+        self.records[pb] = {"stages": stages, "inputs": inputs, "views": views, "prekey": prekey, "wiring": outputs}
         return False
 
     def run(self, workers: int, progress: Callable[[int, int], None]) -> None:
@@ -144,23 +146,16 @@ class StagedCompile:
                 rec = self.records[pb]
                 rec.setdefault("kinds", {})[task.kind] = res["key"]
                 rec.setdefault("custom_ops", {}).update(res["custom_ops"])
-                outputs = res["outputs"]
-                if task.graph.per_token:  # the token dimension at this bucket's own length
-                    outputs = [{**o, "shape": [o["shape"][0], pb.seq_len, *o["shape"][2:]]} for o in outputs]
-                rec.setdefault("kind_outputs", {})[task.kind] = outputs
             self.compiled += res["compiled"]
 
     def bucket(self, pb: PlannedBucket, writer: BundleWriter, folder: str) -> Bucket:
         """The manifest entry of `pb` (module docstring, step 3)."""
         record = self.records[pb]
-        if "outputs" not in record:  # made here: its outputs' specs come from the kinds' exports
-            specs = {}
-            for st in record["stages"]:
-                specs.update(zip(st["outputs"], record["kind_outputs"][st["kind"]]))
+        if "outputs" not in record:  # made here: its outputs' specs come from the bucket's trace
+            specs = record.pop("wiring")
             state = [s["name"] for s in record["inputs"][3:]] or list(self.parts.steps.init_state(pb.batch, pb.capacity))
             probes = [n for st in record["stages"] for n in st["outputs"] if n.startswith(PROBE_PREFIX)]
             record["outputs"] = [{"name": n, **specs[n]} for n in ("logits", *state, *probes)]
-            del record["kind_outputs"]
             prekey = record.pop("prekey")
             if prekey:
                 self.cache.put_alias(prekey, record)
@@ -211,8 +206,7 @@ def _make(i: int) -> dict[str, Any]:
             sc.backend.compile(exported.program, out, out.stem)
             sc.cache.put(key, out)
         compiled = True
-    return {"key": key, "custom_ops": custom_ops, "compiled": compiled,
-            "outputs": [{"shape": list(o.shape), "dtype": o.dtype} for o in exported.outputs]}
+    return {"key": key, "custom_ops": custom_ops, "compiled": compiled}
 
 
 def _engram_cols(graphs: list[StageGraph]) -> tuple[int, int]:
