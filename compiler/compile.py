@@ -210,8 +210,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     facts: dict[str, dict[str, Any]] = {}
     compiled = 0
     # the per-token stages of a batch size take any token count up to its largest prefill
-    per_token_lens = {b.batch: max(p.seq_len for p in plan.buckets if p.kind == "prefill" and p.batch == b.batch)
-                      for b in plan.buckets if any(p.kind == "prefill" and p.batch == b.batch for p in plan.buckets)}
+    per_token_lens: dict[int, int] = {}
+    for p in plan.buckets:
+        if p.kind == "prefill":
+            per_token_lens[p.batch] = max(per_token_lens.get(p.batch, 0), p.seq_len)
     with BundleWriter(out, force) as writer, _progress(console) as progress:
         tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
         for pb in plan.buckets:

@@ -65,7 +65,7 @@ class GraphsStepFactory:
         min_seq_len > 0 (prefill), the token dimension dynamic: the multiples of seq_len_step in
         min_seq_len..seq_len. The engram tables' row dimension is dynamic too, so both engram
         layers share one executable. With per_token_len, the per-token stages (embed, engram, MoE
-        half) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
+        half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
         so that one executable of each serves every bucket of the batch size."""
         model = self.models[capacity]
         built = stages.build_stages(model, kind, batch, capacity, order=self.order)

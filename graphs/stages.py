@@ -176,6 +176,16 @@ class EngramStage(_Captures):
         return self._finish((engram_at(self.engram, self.layer, h, hash_ids, cap),), cap)
 
 
+def _half(block: nn.Module, which: str) -> nn.Module:
+    """A shallow copy of `block` (graphs.model Block) that shares its tensors and keeps only one half's
+    modules, `which` ("attn" or "ffn") and `which`_norm, and its hc_`which`_* parameters and buffers."""
+    half = copy.copy(block)
+    half._modules = {k: v for k, v in block._modules.items() if k in (which, f"{which}_norm")}
+    half._parameters = {k: v for k, v in block._parameters.items() if k.startswith(f"hc_{which}_")}
+    half._buffers = {k: v for k, v in block._buffers.items() if k.startswith(f"hc_{which}_")}
+    return half
+
+
 class AttnStage(_Captures):
     """The attention half of block `layer` (graphs.model Block.attn_sublayer) in a prefill or
     decode step, with the RoPE tables; it holds only the attention's parameters, so attention
@@ -190,11 +200,7 @@ class AttnStage(_Captures):
         super().__init__()
         cfg = model.cfg
         self.cfg, self.layer, self.step, self.capacity = cfg, layer, step, capacity
-        block = copy.copy(model.layers[layer])  # shares every parameter; keeps only the attention's
-        block._modules = {k: v for k, v in block._modules.items() if k in ("attn", "attn_norm")}
-        block._parameters = {k: v for k, v in block._parameters.items() if k.startswith("hc_attn_")}
-        block._buffers = {k: v for k, v in block._buffers.items() if k.startswith("hc_attn_")}
-        self.block = block
+        self.block = _half(model.layers[layer], "attn")
         for name in ("rope_cos_0", "rope_sin_0", "rope_cos_1", "rope_sin_1"):
             self.register_buffer(name, getattr(model, name), persistent=False)
         self.state_names = _own_state(cfg, layer, batch, capacity)
@@ -235,11 +241,7 @@ class FfnStage(_Captures):
 
     def __init__(self, model: Transformer, layer: int):
         super().__init__()
-        block = copy.copy(model.layers[layer])  # shares every parameter; keeps only the MoE's
-        block._modules = {k: v for k, v in block._modules.items() if k in ("ffn", "ffn_norm")}
-        block._parameters = {k: v for k, v in block._parameters.items() if k.startswith("hc_ffn_")}
-        block._buffers = {k: v for k, v in block._buffers.items() if k.startswith("hc_ffn_")}
-        self.block, self.layer = block, layer
+        self.block, self.layer = _half(model.layers[layer], "ffn"), layer
 
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor):
         cap = self._capture()
