@@ -22,6 +22,12 @@ Flags (measured on this 2-core host):
 - bf16 rounding points kept (`emulate_precision_casts`): without it Inductor fuses chains of bf16
   ops in fp32 and skips the intermediate roundings the reference makes (measured on the inlined
   kernels: 24-33% of elements one bf16 step off; micro logits cosine 0.73 against the golden);
+- no lower-bound check of dynamic sizes at run time (`aot_inductor.check_lowerbound`; the upper
+  bound is still checked with AOTI_RUNTIME_CHECK_INPUTS=1). The per-token executables take 1..N
+  tokens and are exported size-obliviously (compiler/export.py `size_oblivious`: the export fails
+  if the model's semantics branch on a size being 1), but Inductor's own lowering of a view still
+  assumes a size > 1 for its stride arithmetic (strides along a size-1 dimension are never used)
+  and raises the executable's recorded lower bound to 2, which the check would then refuse;
 - no max-autotune. Other knobs (pattern matcher, constant folding, size/scalar asserts, peak-memory
   reordering, batch fusion) changed nothing measurable and keep their defaults.
 Generated code uses `-march=native`, so a package runs only on CPUs with the compiling host's ISA
@@ -37,10 +43,11 @@ from typing import Any
 
 import torch
 
-from .export import quiet_treespec_warning
+from .export import quiet_treespec_warning, size_oblivious
 
 BACKEND = "aot_inductor"
 DEFAULT_FLAGS: dict[str, Any] = {
+    "aot_inductor.check_lowerbound": False,
     "aot_inductor.compile_wrapper_opt_level": "O0",
     "aot_inductor.enable_line_tables": False,
     "emulate_precision_casts": True,
@@ -68,6 +75,6 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
     """
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        with quiet_treespec_warning():
+        with quiet_treespec_warning(), size_oblivious():
             torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
         os.replace(built, out)

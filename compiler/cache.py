@@ -1,7 +1,8 @@
 """The compile cache: one compiled executable per key, shared by every bundle built on this host.
 
 Key = sha256 over (a) the normalised lowered graph: one line per node with its op, target, argument
-names/literals and output shape/dtype/stride, plus the graph signature and a digest of every
+names/literals and output shape/dtype/stride, plus the graph signature, the range of every dynamic
+dimension (an executable built for 1..16 tokens must not serve 1..64) and a digest of every
 embedded constant; stack traces, source paths and line numbers live only in node metadata and never
 enter it, so two checkouts in different folders give the same key; (b) the backend flags, normalised
 so that order and whitespace do not matter; (c) toolchain versions (python, torch, machine, cpu ISA
@@ -38,7 +39,7 @@ from dsneuron.runtime_min.bundle import file_sha256
 
 ENV_VAR = "DSNEURON_CACHE_DIR"
 MARKER = "COMPLETE"
-_KEY_FORMAT = 1  # bump when the key's ingredients change
+_KEY_FORMAT = 2  # bump when the key's ingredients change
 
 
 def default_cache_dir() -> Path:
@@ -97,6 +98,7 @@ def normalised_graph(program: torch.export.ExportedProgram) -> str:
     sig = program.graph_signature
     lines = [f"signature {spec.kind.name} {_arg_name(spec.arg)} {spec.target}" for spec in sig.input_specs]
     lines += [f"output {spec.kind.name} {_arg_name(spec.arg)}" for spec in sig.output_specs]
+    lines += sorted(f"range {sym} [{r.lower}, {r.upper}]" for sym, r in program.range_constraints.items())
     used = {n.name for n in program.graph.nodes if n.op == "placeholder" and n.users}
     values = {**program.state_dict, **program.constants}
     for spec in sig.input_specs:

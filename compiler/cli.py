@@ -51,6 +51,20 @@ console = make_console()
 err_console = make_console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from dsneuron import __version__
+
+        console.print(f"dsneuron {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, metavar=FLAG,
+                                          help="print the version and exit")) -> None:
+    """Ahead-of-time compiler and minimal runtime for DeepSeek-V4.x models (cpu and neuron targets)."""
+
+
 @app.command("make-checkpoint")
 def make_checkpoint_cmd(
     config: str = typer.Option(..., "--config", help="config JSON path or packaged name (tiny, micro)"),

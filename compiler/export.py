@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.fx.experimental import _config as fx_config
 from torch.overrides import TorchFunctionMode
 
 from dsneuron.runtime_min.schema import TensorSpec, dtype_name
@@ -155,6 +156,17 @@ def quiet_treespec_warning():
         yield
 
 
+@contextlib.contextmanager
+def size_oblivious():
+    """Trace and compile sizes size-obliviously (torch.fx.experimental._config.backed_size_oblivious):
+    a dynamic dimension declared with min=1 then stays valid at 1. Without it torch assumes every
+    dynamic size is >= 2 (its 0/1 specialisation) and AOTInductor builds, and checks, an executable
+    for 2.. only, while a per-token stage's decode call has one token. Used by the export and by
+    the backend's compile, which traces the program again."""
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
 def _hint(d: int | torch.SymInt) -> int:
     """A dimension's example value without a guard: int() of a symbolic size would pin the
     program's shape environment to it, and the backend then compiles a static graph."""
@@ -193,7 +205,12 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     if graph.dynamic:
         dynamic_shapes = (tuple({d: dims[sym] for d, sym in graph.dynamic[n].items()} if n in graph.dynamic else None
                                 for n in named),)
-    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning():
+    # the model's higher-order ops (the Sinkhorn rounds' while_loop) are traced by Dynamo, which
+    # would check the entries an earlier export left in its cache against this export's symbolic
+    # sizes and so add guards (T != 1) to it
+    torch._dynamo.reset()
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning(), \
+            size_oblivious():
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]

@@ -1076,9 +1076,10 @@ def embed_stream(embed: nn.Embedding, hc: int, tokens: torch.Tensor) -> tuple[to
     if NUMERICS.nudge_embedding:
         h = torch.nextafter(h, torch.full_like(h, math.inf))
     h = h.unsqueeze(2).repeat(1, 1, hc, 1)
-    pre_mix = torch.zeros(B, S, hc, dtype=torch.float32, device=tokens.device)
-    pre_mix[..., 0] = 1.0
-    return h, pre_mix
+    # creation ops only: AOTAutograd traces an in-place write (`pre_mix[..., 0] = 1`), and export a
+    # contiguous() of an expanded tensor, assuming S >= 2, and the executable serves S = 1 too
+    ones = torch.ones(B, S, 1, dtype=torch.float32, device=tokens.device)
+    return h, torch.cat([ones, torch.zeros(B, S, hc - 1, dtype=torch.float32, device=tokens.device)], -1)
 
 
 def engram_at(engram: Engram, layer: int, h: torch.Tensor, hash_ids: torch.Tensor, cap: Capture | None = None) -> torch.Tensor:

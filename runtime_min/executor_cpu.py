@@ -74,17 +74,22 @@ def register_custom_ops(custom_ops: dict[str, str]) -> None:
 
 def _load_package(path: Path, what: str, n_weights: int, n_inputs: int):
     """The AOTInductor model of package `path`, checked (`check_archive`) and cross-checked to take
-    n_weights + n_inputs arguments; raises BundleError naming `what`."""
+    n_weights + n_inputs arguments (`_check_arguments`); raises BundleError naming `what`."""
     check_archive(path)
     try:
         loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     except RuntimeError as e:
         raise BundleError(f"{what}: the AOTInductor loader refused it ({e})") from None
+    _check_arguments(loader, what, n_weights, n_inputs)
+    return loader
+
+
+def _check_arguments(loader: Any, what: str, n_weights: int, n_inputs: int) -> None:
+    """Raises BundleError when the loaded model does not take n_weights + n_inputs arguments."""
     takes = _argument_count(loader.get_call_spec()[0])
     if takes is not None and takes != n_weights + n_inputs:
         raise BundleError(f"{what}: the executable takes {takes} arguments, the manifest gives it "
                           f"{n_weights} weights + {n_inputs} inputs")
-    return loader
 
 
 class CpuExecutable:
@@ -117,6 +122,8 @@ class StagedExecutable:
         for st in bucket.stages:
             if st.file not in loaders:
                 loaders[st.file] = _load_package(root / st.file, st.file, len(st.weights), len(st.inputs))
+            else:  # a file shared by stages of one kind: each stage must fit its signature too
+                _check_arguments(loaders[st.file], f"stage {st.name} ({st.file})", len(st.weights), len(st.inputs))
             self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs))
         self._columns = any(n.startswith("engram_ids.") for st in bucket.stages for n in st.inputs)
         self._last = any("last" in st.inputs for st in bucket.stages)
@@ -127,7 +134,10 @@ class StagedExecutable:
         env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
         if self._columns:
             engram = env["engram_ids"]
-            env.update({f"engram_ids.{e}": engram[:, :, e].contiguous() for e in range(engram.shape[2])})
+            # a fresh copy: contiguous() keeps the slice's strides along a size-1 dimension (a decode
+            # step's one token), and an executable takes exactly the strides it was compiled for
+            env.update({f"engram_ids.{e}": engram[:, :, e].clone(memory_format=torch.contiguous_format)
+                        for e in range(engram.shape[2])})
         if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
             env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
         for loader, weights, names_in, names_out in self._stages:

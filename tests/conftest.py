@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 
 from dsneuron.compiler.config import CompileConfig, load_config
 from dsneuron.graphs.config import ModelConfig
+
+# every AOTInductor executable a test runs (in this process or a CLI child) checks its inputs'
+# shapes against the ranges it was compiled for: a per-token executable called with one token, or
+# a prefill executable with more tokens than its range, fails instead of reading past its buffers
+os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -110,6 +110,21 @@ def test_key_changes_with_shape_constants_flags_toolchain_target(tmp_path):
     assert len({base, *variants}) == len(variants) + 1
 
 
+def test_key_sees_the_range_of_a_dynamic_dimension(tmp_path):
+    """An executable exported for 1..16 tokens has the very graph of one for 1..64 (the size is a
+    symbol in both): only the range tells them apart, and the 16 one must not serve a 40-token call."""
+    mod = _import_from(tmp_path / "m", "range_tiny")
+
+    def export(hi):
+        tokens = torch.export.Dim("T", min=1, max=hi)
+        return torch.export.export(mod.Tiny().eval(), (torch.zeros(4, 8),), dynamic_shapes=({0: tokens},), strict=False)
+
+    g16, g64 = normalised_graph(export(16)), normalised_graph(export(64))
+    assert g16.replace("16]", "64]") == g64  # the same graph but for the bound ...
+    assert g16 != g64                         # ... which the key sees
+    assert normalised_graph(export(16)) == g16
+
+
 def test_flag_normalisation_ignores_order_and_spacing():
     assert normalise_flags("-O1 --lnc 2  --target trn2") == normalise_flags("--target=trn2   --lnc=2 -O1")
     assert normalise_flags(["--lnc", "2", "-O1"]) == normalise_flags("-O1 --lnc=2")

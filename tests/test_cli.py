@@ -125,3 +125,8 @@ def test_compile_workers_die_at_once_on_terminate():
             "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["True", "True"], r.stderr
+
+
+def test_version_prints_the_package_version(monkeypatch, capsys):
+    assert run_cli(monkeypatch, "--version") == 0
+    assert capsys.readouterr().out.strip() == f"dsneuron {dsneuron.__version__}"

@@ -10,11 +10,12 @@ require the bits of eager execution; the bf16 GEMMs are also checked against flo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsneuron.compiler.backend_cpu import DEFAULT_FLAGS
 from dsneuron.compiler.lower import inline_mode
-from dsneuron.graphs.model import gemm_order
+from dsneuron.graphs.model import RMSNorm, gemm_order
 from dsneuron.graphs.quant import act_quant_qdq
 from dsneuron.graphs.steps import init_state
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_bf16_ref
@@ -42,10 +43,13 @@ def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_compiled_decode_attention_equals_eager(micro_golden):
     """Attention of a window-only layer and of a compressing index-source layer at one decode
     token: compiled == eager, bit for bit (q/kv projections, RoPE, FP8 window KV, ring, sparse
-    attention, inverse RoPE, grouped wo_a, wo_b)."""
+    attention, inverse RoPE, grouped wo_a, wo_b). Slow (a minute) and in GEMM order "fused", which
+    no cpu bundle compiles (its stages trace order "kernel", checked stage by stage against the
+    golden by tests/test_compare.py in the default suite)."""
     model = micro_golden.model
     cfg = model.cfg
     for L in (0, 1):
@@ -82,3 +86,18 @@ def test_compiled_one_row_bf16_gemms_round_once():
     q, k, w = _bf16(1, 1, 4, 64, seed=3), _bf16(1, 40, 64, seed=4), _bf16(1, 1, 4, seed=5)
     got = _compiled(mqa_logits_bf16_ref, q, k, w)(q, k, w)
     assert torch.equal(got, mqa_logits_bf16_ref(q, k, w)), (got != mqa_logits_bf16_ref(q, k, w)).float().mean().item()
+
+
+def test_compiled_rmsnorm_deviates_from_eager_only_by_its_named_bound():
+    """RMSNorm's fp32 mean of squares (the reference's) is summed by Inductor in another order than
+    by eager ATen: a named deviation (README), bounded here on 20k random rows: at most 0.2% of the
+    rows differ, by one bf16 step at most (measured: 7 rows of 20k at D=128)."""
+    norm = RMSNorm(128, 1e-6).eval()
+    norm.weight.copy_(_bf16(128, seed=6, scale=0.5) + 1)
+    x = _bf16(20000, 128, seed=7, scale=2.0)
+    with torch.no_grad():
+        got, want = _compiled(norm, x)(x), norm(x)
+    rows = (got != want).any(-1)
+    assert rows.float().mean().item() <= 2e-3, rows.sum().item()
+    step = (want.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)  # one bf16 ulp at |want|, at most
+    assert ((got.float() - want.float()).abs() <= step).all()

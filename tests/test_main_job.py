@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
 
 from rich.console import Console
 
+from stand_in import run_cli
 from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
 
 
@@ -87,7 +89,7 @@ def test_run_prompts_file_prints_one_json_line_per_prompt(micro_bundle, tmp_path
     assert r.returncode == 2 and "2 prompts" in r.stderr, r.stderr
 
 
-def test_run_bad_prompt_options_exit_2_before_loading(tmp_path):
+def test_run_bad_prompt_options_exit_2_before_loading(tmp_path, monkeypatch, capsys):
     """Refused before the bundle is opened: the bundle path here does not exist."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": 3}\n', encoding="utf-8")
@@ -105,5 +107,26 @@ def test_run_bad_prompt_options_exit_2_before_loading(tmp_path):
                           (("--prompt", "x", "--max-new-tokens", "0"), "--max-new-tokens must be a positive integer, got 0"),
                           (("--prompt", "x", "--temperature", "-1"), "temperature"),
                           (("--prompt", "x", "--seed", "-1"), "seed")]:
-        r = _cli("run", nobundle, *args)
-        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+        code = run_cli(monkeypatch, "run", nobundle, *args)
+        err = capsys.readouterr().err
+        assert code == 2 and message in " ".join(err.split()), (args, err)
+
+
+def test_a_stage_pointed_at_another_kinds_executable_is_refused(micro_bundle, tmp_path):
+    """A resealed manifest that points one stage (layers.0.ffn) at the file of another kind (the
+    embedding, which takes other arguments): refused at load with exit 2 naming the stage, not
+    run with the wrong executable or a traceback."""
+    import shutil
+
+    from dsneuron.runtime_min.schema import SEAL, content_sha256
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(micro_bundle.path, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    for bucket in m["buckets"]:
+        embed = next(st["file"] for st in bucket["stages"] if st["name"] == "embed")
+        next(st for st in bucket["stages"] if st["name"] == "layers.0.ffn")["file"] = embed
+    m[SEAL] = content_sha256(m)
+    (copy / "manifest.json").write_text(json.dumps(m))
+    r = _cli("run", str(copy), "--prompt", "Hello", "--max-new-tokens", "2")
+    assert r.returncode == 2 and "stage layers.0.ffn" in r.stderr and "Traceback" not in r.stderr, r.stderr
