@@ -158,11 +158,12 @@ def quiet_treespec_warning():
 
 @contextlib.contextmanager
 def size_oblivious():
-    """Trace and compile sizes size-obliviously (torch.fx.experimental._config.backed_size_oblivious):
-    a dynamic dimension declared with min=1 then stays valid at 1. Without it torch assumes every
-    dynamic size is >= 2 (its 0/1 specialisation) and AOTInductor builds, and checks, an executable
-    for 2.. only, while a per-token stage's decode call has one token. Used by the export and by
-    the backend's compile, which traces the program again."""
+    """Trace and compile sizes size-obliviously (torch.fx.experimental._config.backed_size_oblivious),
+    so that a dynamic dimension declared with min=1 stays valid at 1: a per-token stage's decode call
+    has one token. Without it torch assumes every dynamic size is >= 2 (its 0/1 specialisation) and
+    silently compiles a branch or broadcast taken for sizes > 1; with it, an export whose semantics
+    differ at 1 fails (torch's constraint violation naming the dimension). Used by the export and
+    by the backend's compile, which traces the program again."""
     with fx_config.patch(backed_size_oblivious=True):
         yield
 

@@ -89,6 +89,29 @@ class _Both(torch.nn.Module):
         return torch.ops.dsneuron_test.branchy(torch.ops.dsneuron_test.gated_mix(x, x, 0.5))
 
 
+class _BranchOnOneToken(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[1] == 1 else x + 1
+
+
+class _SameForEveryCount(torch.nn.Module):
+    def forward(self, x):
+        return x.softmax(-1) + x.sum(1, keepdim=True)
+
+
+def test_export_refuses_semantics_that_change_at_one_token():
+    """A dynamic token count of 1..8 must mean every count: an export that would compile the branch
+    taken for counts > 1 (torch's default 0/1 specialisation) is refused, naming the dimension."""
+    graph = StepGraph(_BranchOnOneToken(), (("x", torch.randn(1, 8)),), ("y",), dynamic={"x": {1: "T"}},
+                      bounds={"T": (1, 8, 1)})
+    with pytest.raises(Exception, match="T"):
+        export_step(graph, {}, "test")
+    uniform = StepGraph(_SameForEveryCount(), (("x", torch.randn(1, 8)),), ("y",), dynamic={"x": {1: "T"}},
+                        bounds={"T": (1, 8, 1)})
+    program = export_step(uniform, {}, "test").program
+    assert [(r.lower, r.upper) for r in program.range_constraints.values()] == [(1, 8)]
+
+
 def test_lowering_inlines_traceable_references_and_calls_the_rest():
     mode = inline_mode("cpu")
     graph = StepGraph(_Both(), (("x", torch.randn(3, 4)),), ("y",))
