@@ -83,10 +83,14 @@ class BundleWriter:
 
     def __enter__(self) -> "BundleWriter":
         check_output(self.out, self.force)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_dead_leftovers(self.out)
-        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.tmp.mkdir()
+        tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            _remove_dead_leftovers(self.out)
+            tmp.mkdir()
+        except OSError as e:
+            raise OutputError(f"output {self.out}: cannot create its folder in {self.out.parent} ({e.strerror})") from None
+        self.tmp = tmp
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -49,11 +49,15 @@ def default_cache_dir() -> Path:
 
 
 def cache_root(cache_dir: Path | None) -> Path:
-    """The compile cache folder: `cache_dir`, or `default_cache_dir()` when None. Raises UserError
-    when that path exists and is not a folder (it is created on first use otherwise)."""
+    """The compile cache folder: `cache_dir`, or `default_cache_dir()` when None, created if missing.
+    Raises UserError when that path exists and is not a folder, or cannot be created."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if root.exists() and not root.is_dir():
         raise UserError(f"compile cache {root} is not a folder (set --cache-dir or ${ENV_VAR} to a folder)")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"compile cache {root}: cannot create it ({e.strerror}; set --cache-dir or ${ENV_VAR})") from None
     return root
 
 

@@ -151,7 +151,20 @@ def test_a_cache_dir_that_is_a_file_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_VAR, str(afile))
     with pytest.raises(UserError, match="is not a folder"):
         cache_root(None)
-    assert cache_root(tmp_path / "new") == tmp_path / "new"
+    assert cache_root(tmp_path / "new") == tmp_path / "new" and (tmp_path / "new").is_dir()
+    with pytest.raises(UserError, match=rf"compile cache {afile}/cache: cannot create it"):
+        cache_root(afile / "cache")  # under a file: one error line, not a traceback
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_error(tmp_path):
+    from dsneuron.compiler.bundle_writer import BundleWriter, OutputError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(OutputError, match=rf"output {afile}/sub/bundle: cannot create its folder"):
+        with BundleWriter(afile / "sub" / "bundle", force=False):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 # ------------------------------------------------------------------------------------------ entries
