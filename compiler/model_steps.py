@@ -20,7 +20,7 @@ from dsneuron.graphs.kernel_weights import attach_kernel_weights, kernel_recipes
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.runtime_min.bundle import prepare_tensors
-from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare
+from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
@@ -75,7 +75,7 @@ class GraphsStepFactory:
         E, C = steps.n_engram_cols(self.cfg)
         data = {"tokens": torch.zeros(batch, S, dtype=torch.int64), "valid_len": torch.full((batch,), S, dtype=torch.int64),
                 "pos": torch.zeros(batch, dtype=torch.int64),
-                **stages.split_engram_ids(torch.zeros(batch, S, E, C, dtype=torch.int64)),
+                **engram_columns(torch.zeros(batch, S, E, C, dtype=torch.int64)),
                 **(steps.init_state(self.cfg, batch, capacity) if kind == "decode" else {})}
         fakes = stages.trace_stages(built, data)
         dynamic_tables = {n: {0: "engram_rows"} for n, _ in model.named_parameters() if ".engram.embed." in n}

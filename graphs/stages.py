@@ -330,12 +330,6 @@ def step_outputs(cfg: ModelConfig, batch: int, capacity: int) -> tuple[str, ...]
     return ("logits", *state_layout(cfg, batch, capacity))
 
 
-def split_engram_ids(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """engram_ids int64 [B, S, E, C] -> {"engram_ids.e": [B, S, C] contiguous} per engram layer e
-    (the e-th entry of engram_layer_ids)."""
-    return {f"engram_ids.{e}": engram_ids[:, :, e].contiguous() for e in range(engram_ids.shape[2])}
-
-
 def run_stages(stages: list[Stage], env: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run `stages` eagerly in order on the wiring values `env` (data inputs, and the state for a
     decode step); returns env with every stage output added (later writes of a name win), and

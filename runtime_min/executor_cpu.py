@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .schema import Bucket, BundleError
+from .schema import Bucket, BundleError, engram_columns
 
 _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
 #: the modules that register a namespace's ops, imported in order until the op exists (the cpu
@@ -133,11 +133,7 @@ class StagedExecutable:
         self.bucket.check_inputs(inputs)
         env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
         if self._columns:
-            engram = env["engram_ids"]
-            # a fresh copy: contiguous() keeps the slice's strides along a size-1 dimension (a decode
-            # step's one token), and an executable takes exactly the strides it was compiled for
-            env.update({f"engram_ids.{e}": engram[:, :, e].clone(memory_format=torch.contiguous_format)
-                        for e in range(engram.shape[2])})
+            env.update(engram_columns(env["engram_ids"]))
         if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
             env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
         for loader, weights, names_in, names_out in self._stages:

@@ -76,6 +76,15 @@ DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tok
 #: of engram_ids, [B, S, C]) and "last" (int64 [B], the position the head reads: valid_len - 1 in a
 #: prefill, 0 in a decode step)
 DERIVED_INPUTS = ("engram_ids.e", "last")
+
+
+def engram_columns(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """engram_ids int64 [B, S, E, C] -> {"engram_ids.e": [B, S, C]} per engram layer e (the e-th entry
+    of engram_layer_ids), each a fresh copy with the canonical strides: contiguous() of the slice
+    would keep its strides along a size-1 dimension (a decode step's one token), and an executable
+    takes exactly the strides it was compiled for."""
+    return {f"engram_ids.{e}": engram_ids[:, :, e].clone(memory_format=torch.contiguous_format)
+            for e in range(engram_ids.shape[2])}
 # Executable file extension per target.
 EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
 # Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from stand_in import run_cli
 from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+from dsneuron.runtime_min.schema import SEAL, content_sha256
 
 
 def test_run_generates_text_from_the_bundle(micro_bundle):
@@ -116,10 +118,6 @@ def test_a_stage_pointed_at_another_kinds_executable_is_refused(micro_bundle, tm
     """A resealed manifest that points one stage (layers.0.ffn) at the file of another kind (the
     embedding, which takes other arguments): refused at load with exit 2 naming the stage, not
     run with the wrong executable or a traceback."""
-    import shutil
-
-    from dsneuron.runtime_min.schema import SEAL, content_sha256
-
     copy = tmp_path / "bundle"
     shutil.copytree(micro_bundle.path, copy)
     m = json.loads((copy / "manifest.json").read_text())

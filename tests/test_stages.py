@@ -9,6 +9,7 @@ import torch
 
 from dsneuron.graphs import stages as st
 from dsneuron.graphs.steps import decode, prefill
+from dsneuron.runtime_min.schema import engram_columns
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -23,7 +24,7 @@ def test_staged_prefill_and_decode_equal_the_steps(micro_golden, L):
     eng = g.engram_ids(ids)
     logits, state = prefill(m, ids[:, :L], torch.tensor([L]), eng[:, :L])
     env = st.run_stages(st.build_stages(m, "prefill", 1, m.max_seq_len),
-                        {"tokens": ids[:, :L], "valid_len": torch.tensor([L]), **st.split_engram_ids(eng[:, :L])})
+                        {"tokens": ids[:, :L], "valid_len": torch.tensor([L]), **engram_columns(eng[:, :L])})
     assert torch.equal(env["logits"], logits)
     for name, t in state.items():
         assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), name
@@ -31,7 +32,7 @@ def test_staged_prefill_and_decode_equal_the_steps(micro_golden, L):
         logits, state = decode(m, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state)
         env = st.run_stages(st.build_stages(m, "decode", 1, m.max_seq_len),
                             {**{n: env[n] for n in state}, "tokens": ids[:, p:p + 1], "pos": torch.tensor([p]),
-                             **st.split_engram_ids(eng[:, p:p + 1])})
+                             **engram_columns(eng[:, p:p + 1])})
         assert torch.equal(env["logits"], logits), p
         for name, t in state.items():
             assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), (p, name)
@@ -74,7 +75,7 @@ def test_staged_probes_are_the_step_captures(micro_golden):
     cap = Capture()
     prefill(m, ids, torch.tensor([L]), eng, cap)
     stages = st.with_probes(st.build_stages(m, "prefill", 1, m.max_seq_len))
-    env = {"tokens": ids, "valid_len": torch.tensor([L]), **st.split_engram_ids(eng)}
+    env = {"tokens": ids, "valid_len": torch.tensor([L]), **engram_columns(eng)}
     st.trace_stages(stages, env)
     out = st.run_stages(stages, env)
     probes = {n[len("probe."):]: t for n, t in out.items() if n.startswith("probe.")}
