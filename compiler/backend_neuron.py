@@ -10,7 +10,12 @@ everything else of a compile (export, cache, weights, tokenizer, manifest, atomi
 loop's. Per bucket:
 1. torch.export on the host with the neuron lowering (`lowering`): a custom op that has an NKI
    kernel (`NKI_KERNELS`) stays one graph node; any other custom op is inlined from its torch
-   reference (compiler/lower.py `InlineCustomOps`), so it reaches XLA as ordinary ops.
+   reference (compiler/lower.py `InlineCustomOps`), so it reaches XLA as ordinary ops. The export
+   uses the XLA spelling (`xla_spelling`, kernels_nki/formats.py): FP8/FP4 bytes and UE8M0 scales
+   are decoded and activations rounded to e4m3 in integer/fp32 arithmetic, so the graph holds no
+   float8 dtype (torch-xla has none; trn1/trn2 have no OCP e4m3fn, neuronx-cc NCC_EVRF051) and no
+   op torch-xla runs on the host. What follows up to the HLO runs on XLA:CPU in
+   compiler/xla_check.py (tests/test_xla.py, scripts/xla-check).
 2. Cache key ingredients (`NeuronBackend.key_ingredients`): this bucket's neuronx-cc arguments, the
    torch/SDK versions and the sources of the NKI kernel and adapter modules (`kernel_sources`).
 3. On a miss, `compile_neff`: the exported graph runs on the XLA device under `NkiDispatch`, which
@@ -321,6 +326,31 @@ class NkiDispatch(TorchFunctionMode):
             raise CompileError(f"{name}: its NKI kernel {binding.kernel} cannot take these arguments: {e}") from None
 
 
+def device_module(program: torch.export.ExportedProgram, device: torch.device) -> torch.nn.Module:
+    """`program` as a module that runs on `device` (the XLA device): its parameters, buffers and
+    lifted constants moved there, and every creation op's `device=` (torch.export records the
+    tracing host's, "cpu") retargeted, so no op mixes host and device tensors. Parameters of a
+    float8 dtype stay on the host: they are the step's own parameters that export_step swapped for
+    inputs, never read, and the XLA bridge has no float8 types."""
+    from .export import FLOAT8_DTYPES
+
+    module = program.module()
+    for node in module.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.kwargs = {**node.kwargs, "device": device}
+    module.recompile()
+    for sub in module.modules():
+        for group in (sub._parameters, sub._buffers):
+            for attr, t in list(group.items()):
+                if t is not None and t.dtype not in FLOAT8_DTYPES:
+                    moved = t.detach().to(device)
+                    group[attr] = torch.nn.Parameter(moved, requires_grad=False) if group is sub._parameters else moved
+        for attr, t in list(vars(sub).items()):  # lifted tensor constants are plain attributes
+            if isinstance(t, torch.Tensor) and t.device != device:
+                setattr(sub, attr, t.to(device))
+    return module
+
+
 # ------------------------------------------------------------------------------------------ the SDK seam
 def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequence[str], lnc: int,
                  bindings: Mapping[str, NkiBinding]) -> None:
@@ -332,7 +362,8 @@ def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequenc
     input/output interface (an input pruned by XLA would shift every later input of the NEFF) or
     when neuronx-cc fails (with the end of its log).
     """
-    from torch_neuronx.xla_impl import trace as xla_trace  # the SDK, imported only here
+    import torch_xla  # the SDK's torch-xla; imported only here
+    from torch_neuronx.xla_impl import trace as xla_trace
 
     exe = require_compiler()
     sig = program.graph_signature
@@ -341,7 +372,8 @@ def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequenc
                      for n in program.graph.nodes if n.op == "placeholder" and n.name in user)
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
         with NkiDispatch(bindings, lnc):
-            hlo = xla_trace.generate_hlo(program.module(), examples, {}, inline_weights_to_neff=True,
+            # the module retargeted to the XLA device (`device_module`), as the XLA check runs it here
+            hlo = xla_trace.generate_hlo(device_module(program, torch_xla.device()), examples, {}, inline_weights_to_neff=True,
                                          return_weights=False, output_aliased_tensor=False, cpu_backend=True)
         got = [tuple(t.shape) for t in hlo.metaneff.input_tensors]
         want = [tuple(e.shape) for e in examples]
@@ -374,6 +406,8 @@ class NeuronBackend:
     target = "neuron"
     name = BACKEND
     input_views = INPUT_VIEWS
+    # torch-xla has no float8 types and trn1/trn2 no OCP e4m3fn (neuronx-cc EVRF051)
+    xla_spelling = True
 
     def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
         self.flags = plan_flags(flags, stems)

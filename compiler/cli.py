@@ -133,6 +133,8 @@ def compile_cmd(
     probes: bool = typer.Option(False, "--probes", metavar=FLAG, help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="PEM elliptic-curve private key: sign the bundle "
                                                                     "(OpenSSF model-signing) before it is moved into place"),
+    hlo_only: bool = typer.Option(False, "--hlo-only", metavar=FLAG, help="with --target neuron: stop at each bucket's "
+                                  "XLA HLO module (needs torch-xla, not the Neuron SDK); the bundle is for neuronx-cc, not `run`"),
 ) -> None:
     """Compile every bucket of a config (or of a checkpoint folder) into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
@@ -141,7 +143,14 @@ def compile_cmd(
     from dsneuron.compiler.config import checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
-    check_target(target)  # fail fast, before reading anything
+    if hlo_only:  # fail fast, before reading anything
+        if target != "neuron":
+            raise UserError(f"--hlo-only goes with --target neuron (got --target {target})")
+        from dsneuron.compiler.backend_hlo import require_torch_xla
+
+        require_torch_xla()
+    else:
+        check_target(target)
     if sign_key is not None:
         from dsneuron.runtime_min.signing import check_private_key
 
@@ -166,7 +175,7 @@ def compile_cmd(
     check_output(out, force)
     parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes, target=target)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
-                            console=console, sign_key=sign_key)
+                            console=console, sign_key=sign_key, hlo_only=hlo_only)
 
 
 @app.command("run")
@@ -341,8 +350,15 @@ def inspect_cmd(
                   f"state tensors {len(m.state)}; engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
     hint = signer_hint(root)
     console.print(f"signature: {'none (unsigned)' if hint is None else f'{SIGNATURE}, by the key with sha256 {hint}'}")
-    open_bundle(root, verify_key)
-    console.print("verified: schema, target, toolchain and every checksum OK"
+    hlo = m.compiler.get("hlo")
+    if hlo is not None:  # --hlo-only: HLO modules for neuronx-cc, not executables
+        console.print(f"HLO modules (HloModuleProto, for neuronx-cc --framework XLA; not runnable here), NKI ops as "
+                      f"{m.compiler.get('nki_ops')}: " + "; ".join(
+                          f"{Path(rel).name} {sum('input' in q for q in r['parameters'])} inputs + "
+                          f"{sum('value' in q for q in r['parameters'])} values" for rel, r in sorted(hlo.items())))
+    open_bundle(root, verify_key, hlo_ok=True)
+    console.print(("verified: schema and every checksum OK" if hlo is not None else
+                   "verified: schema, target, toolchain and every checksum OK")
                   + (f"; signature by {verify_key} OK" if verify_key is not None else ""))
 
 

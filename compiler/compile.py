@@ -90,13 +90,15 @@ class Backend(Protocol):
 
     target: the bundle's target ("cpu", "neuron"); name: the manifest's `compiler.backend`, also a
     cache key ingredient; toolchain: the manifest's `toolchain`; input_views: {weight dtype: dtype}
-    of weights passed to the executable as same-width views (compiler/export.py).
+    of weights passed to the executable as same-width views (compiler/export.py); xla_spelling:
+    export with FP8 decodes and roundings in integer arithmetic (no float8 dtype in the graph).
     """
 
     target: str
     name: str
     toolchain: dict[str, Any]
     input_views: Mapping[torch.dtype, torch.dtype]
+    xla_spelling: bool
 
     def lowering(self) -> InlineCustomOps:
         """A fresh export-time lowering mode for one bucket (compiler/lower.py)."""
@@ -122,6 +124,7 @@ class CpuBackend:
     target = "cpu"
     name = backend_cpu.BACKEND
     input_views = backend_cpu.INPUT_VIEWS
+    xla_spelling = False  # Inductor's float8 casts are the fastest spelling on this CPU
 
     def __init__(self, flags: dict[str, Any] | None):
         self.flags = backend_cpu.effective_flags(flags)
@@ -143,10 +146,16 @@ class CpuBackend:
         return {"backend": self.name, "flags": self.flags, "custom_ops": custom_ops}
 
 
-def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]) -> Backend:
+def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str], hlo_only: bool = False) -> Backend:
     """The backend of `target` for the buckets with file stems `stems`; raises what the backend's
-    checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc);
-    BundleError for an unknown target."""
+    checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc,
+    or with hlo_only without torch-xla); BundleError for an unknown target or hlo_only off neuron."""
+    if hlo_only:
+        if target != "neuron":
+            raise BundleError(f"--hlo-only goes with --target neuron (got --target {target})")
+        from .backend_hlo import HloBackend
+
+        return HloBackend()
     if target == "cpu":
         return CpuBackend(flags)
     if target == "neuron":
@@ -157,7 +166,7 @@ def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
                    target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
                    flags: dict[str, Any] | None = None, console: Console | None = None,
-                   sign_key: Path | None = None) -> Path:
+                   sign_key: Path | None = None, hlo_only: bool = False) -> Path:
     """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
     returns `out`. sign_key: a PEM elliptic-curve private key; the bundle is then signed
     (runtime_min/signing.py) before it appears at `out`.
@@ -165,6 +174,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     flags: backend option overrides, part of every cache key: Inductor config keys on cpu
     (compiler/backend_cpu.py); on neuron {"target", "lnc", "args", "bucket_args"}
     (compiler/backend_neuron.py `plan_flags`).
+    hlo_only: with target "neuron", stop at each bucket's HLO module (compiler/backend_hlo.py; needs
+    torch-xla, not the Neuron SDK); the bundle can be inspected, not run.
     cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
     Raises ConfigError (bad plan or flags), BundleError (target or its tools unavailable),
     OutputExistsError (out exists without force), CompileError (model wiring, a kernel that cannot
@@ -172,7 +183,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     the old bundle in `out` is untouched by any failure.
     """
     console = console or Console(stderr=True)
-    check_target(target, "compile")
+    if not hlo_only:  # an HLO-only compile needs torch-xla, not the SDK (make_backend checks it)
+        check_target(target, "compile")
     if sign_key is not None:  # a bad key fails now, not after the compile
         from dsneuron.runtime_min.signing import check_private_key
 
@@ -181,11 +193,11 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
-    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, target) for pb in plan.buckets}
+    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-hlo" if hlo_only else target) for pb in plan.buckets}
     if staged:
         rels = {pb: rel.rsplit(".", 1)[0] for pb, rel in rels.items()}  # the folder of its stage executables
-    stems = {pb: Path(rel).stem for pb, rel in rels.items()}
-    backend = make_backend(target, flags, list(stems.values()))
+    stems = {pb: Path(rel).name.split(".")[0] for pb, rel in rels.items()}
+    backend = make_backend(target, flags, list(stems.values()), hlo_only)
     out = Path(out)
     check_output(out, force)
     _check_weights(parts.weights)
@@ -229,19 +241,20 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 hit = sc.plan(pb, prekey, rel, per_token_lens.get(pb.batch))
                 progress.update(task, status="cached" if hit else "waiting to compile", completed=hit)
                 continue
-            record = cache.get_alias(prekey) if prekey else None
+            cacheable = getattr(backend, "cacheable", True)
+            record = cache.get_alias(prekey) if prekey and cacheable else None
             how = "cached"
             if record is None:
                 progress.update(task, status="exporting")
                 record, program = _export(parts, pb, backend)
                 record["graph_key"] = cache_key(normalised_graph(program), key_flags, key_toolchain, target, backend.name)
-                artifact = cache.get(record["graph_key"])
+                artifact = cache.get(record["graph_key"]) if cacheable else None
                 if artifact is None:
                     progress.update(task, status="compiling")
                     backend.compile(program, writer.path(rel), stem)
-                    artifact = cache.put(record["graph_key"], writer.path(rel))
+                    artifact = cache.put(record["graph_key"], writer.path(rel)) if cacheable else writer.path(rel)
                     how, compiled = "compiled", compiled + 1
-                if prekey:
+                if prekey and cacheable:
                     cache.put_alias(prekey, record)
                 record["artifact"] = artifact
             if how == "cached":
@@ -324,7 +337,8 @@ def _export(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dic
     graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
         else parts.steps.decode(pb.batch, pb.capacity)
     mode = backend.lowering()
-    exported = export_step(graph, parts.weights, pb.label, backend.input_views, mode)
+    exported = export_step(graph, parts.weights, pb.label, backend.input_views, mode,
+                           xla_spelling=backend.xla_spelling)
     record = {"weights": list(exported.weights), "inputs": [s.to_dict() for s in exported.inputs],
               "outputs": [s.to_dict() for s in exported.outputs],
               "views": {n: dtype_name(d) for n, d in exported.views.items()},

@@ -20,7 +20,12 @@ from torch import nn
 from torch.fx.experimental import _config as fx_config
 from torch.overrides import TorchFunctionMode
 
+from dsneuron.kernels_nki.formats import xla_spelling as _xla_spelling
 from dsneuron.runtime_min.schema import TensorSpec, dtype_name
+
+#: dtypes a float8-free graph (the neuron lowering, `export_step(xla_spelling=True)`) may not hold
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
+                 torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 
 
 class CompileError(Exception):
@@ -174,9 +179,27 @@ def _hint(d: int | torch.SymInt) -> int:
     return d if isinstance(d, int) else int(d.node.hint)
 
 
+def float8_nodes(program: torch.export.ExportedProgram) -> list[str]:
+    """Nodes of `program` whose value, or a dtype argument, is one of FLOAT8_DTYPES, as
+    "name (target, dtype)" in graph order; unused placeholders are not counted."""
+    out = []
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and not node.users:  # the step's own parameters, swapped out by functional_call
+            continue
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor)]
+        dtypes += [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.dtype)]
+        bad = [d for d in dtypes if d in FLOAT8_DTYPES]
+        if bad:
+            out.append(f"{node.name} ({node.target}, {bad[0]})")
+    return out
+
+
 def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
                 input_views: dict[torch.dtype, torch.dtype] | None = None,
-                mode: TorchFunctionMode | None = None, module_order: bool = False) -> ExportedStep:
+                mode: TorchFunctionMode | None = None, module_order: bool = False,
+                xla_spelling: bool = False) -> ExportedStep:
     """Export `graph.module` at the static shapes of `graph.inputs` (non-strict torch.export).
 
     what: a label for messages, e.g. "prefill b1 s128".
@@ -184,12 +207,16 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
         (Inductor's cpu codegen has no float8_e8m0fnu): such a weight is passed as a bitcast view
         (zero-copy) and viewed back inside the graph.
     mode: a TorchFunctionMode active while tracing (the target's lowering, compiler/lower.py).
-    Raises CompileError when a parameter is not a weight or the outputs do not match `graph.outputs`.
+    xla_spelling: trace under kernels_nki.formats.xla_spelling and leave viewed weights as
+        their bytes (not viewed back), so FP8 data is decoded and rounded with int32/fp32 ops; the
+        program is then checked to hold no float8 dtype (`float8_nodes`).
+    Raises CompileError when a parameter is not a weight, the outputs do not match `graph.outputs`
+    or, with xla_spelling, a node still has a float8 dtype (naming it).
     """
     input_views = input_views or {}
     names, groups = bind_weights(graph.module, weights, what, module_order)
     originals = [weights[n].dtype for n in names]
-    dtypes = [d if d in input_views else None for d in originals]
+    dtypes = [d if d in input_views and not xla_spelling else None for d in originals]
     wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
     # a weight with a dynamic dimension is passed as a fresh tensor of its shape: the very tensor the
     # module holds would tie the symbolic size to its static one (export guards storage sizes)
@@ -211,8 +238,13 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     # sizes and so add guards (T != 1) to it
     torch._dynamo.reset()
     with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning(), \
-            size_oblivious():
+            size_oblivious(), (_xla_spelling() if xla_spelling else contextlib.nullcontext()):
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
+    if xla_spelling:
+        left = float8_nodes(program)
+        if left:
+            raise CompileError(f"{what}: the float8-free lowering left {len(left)} node(s) with a float8 dtype, first "
+                               f"{left[0]}; spell that cast with kernels_nki.formats e4m3_to_float / e4m3_round")
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]
     if len(vals) != len(graph.outputs):

@@ -67,7 +67,7 @@ from torch._higher_order_ops.while_loop import while_loop
 from torch import nn
 
 import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
-from dsneuron.kernels_nki.formats import ue8m0_to_float
+from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_float, ue8m0_to_float
 
 from .config import ModelConfig
 from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear,
@@ -362,6 +362,10 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
         return i + 1, c / (c.sum(dim=-2, keepdim=True) + eps)
 
+    if SPELLING.xla:  # torch-xla runs the loop op eagerly, reading the condition on the host every round
+        for i in range(iters - 1):
+            _, comb = normalise(i, comb)
+        return pre, post, comb
     # a loop op, not an unrolled Python loop: the rounds would be a fifth of the exported graph's
     # nodes, and the compile time grows with the node count
     _, comb = while_loop(more, normalise, (torch.zeros((), dtype=torch.int64), comb))
@@ -874,7 +878,7 @@ class MoE(nn.Module):
             return w if ids is None else w[ids]
         # stack the scale bytes as uint8: Inductor's cpu codegen has no e8m0 buffers
         codes = torch.stack([lin.weight for lin in lins])
-        scales = torch.stack([lin.scale.view(torch.uint8) for lin in lins])
+        scales = torch.stack([as_uint8(lin.scale) for lin in lins])
         if ids is not None:
             codes, scales = codes[ids], scales[ids]
         return dequant_fp4_weight(codes, scales)
@@ -913,8 +917,8 @@ class Engram(nn.Module):
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """hash_ids int64 [B,S,C] -> bf16 [B,S,C*engram_head_dim] (ParallelEngramEmbedding.forward)."""
-        rows = self.embed.weight.view(torch.uint8)[hash_ids].view(torch.float8_e4m3fn).float()
-        scales = self.embed.scale.view(torch.uint8)[hash_ids]
+        rows = e4m3_to_float(as_uint8(self.embed.weight)[hash_ids])
+        scales = as_uint8(self.embed.scale)[hash_ids]
         vals = rows.unflatten(-1, (-1, 32)) * ue8m0_to_float(scales).unsqueeze(-1)
         return vals.flatten(-2).to(torch.bfloat16).flatten(-2)
 
@@ -930,7 +934,7 @@ class Engram(nn.Module):
         # normalised per (token, hc copy) over D, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
         dot = (hf * weight * key).sum(-1) * rstd * D ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = torch.sigmoid(copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 

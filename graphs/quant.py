@@ -36,9 +36,15 @@ import torch
 from dsneuron.kernels_nki.formats import (
     E2M1_MAX,
     E4M3_MAX,
+    SPELLING,
+    as_uint8,
+    copysign,
+    e4m3_round,
+    e4m3_to_float,
     float_to_ue8m0,
     fp4_codes_to_float,
     pack_fp4,
+    pow2,
     ue8m0_to_float,
     unpack_fp4,
 )
@@ -98,7 +104,7 @@ def e4m3_rne(x: torch.Tensor) -> torch.Tensor:
     xf = _as_fp32(x, "e4m3_rne")
     # torch's CPU cast happens to saturate as well. ml_dtypes, and casts on other backends, give NaN
     # above 464, so the clamp is what pins the reference semantics.
-    return xf.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return e4m3_round(xf.clamp(-E4M3_MAX, E4M3_MAX))
 
 
 def _ue8m0_exponent(ratio: torch.Tensor) -> torch.Tensor:
@@ -120,7 +126,22 @@ def ue8m0_scale(ratio: torch.Tensor) -> torch.Tensor:
     """
     if ratio.dtype != torch.float32:
         raise ValueError(f"ue8m0_scale: ratio must be float32, got {ratio.dtype}")
+    if SPELLING.xla:
+        return _ue8m0_scale_arith(ratio)
     return (_ue8m0_exponent(ratio) << 23).view(torch.float32)
+
+
+def _ue8m0_scale_arith(ratio: torch.Tensor) -> torch.Tensor:
+    """`ue8m0_scale` without bit views (kernels_nki.formats.xla_spelling): e = ceil(log2|r|)
+    clamped to [-126, 127], then corrected by exact comparisons with `pow2` (a log2 a few ulps off
+    can put ceil one step off next to a power of two): down while 2^(e-1) >= |r|, up while
+    2^e < |r|. NaN gives 2^127 as the bit version's clamp does."""
+    r = ratio.abs()
+    e = torch.ceil(torch.log2(r)).clamp(-126, 127)
+    e = torch.where(r.isnan(), 127.0, e).to(torch.int32)
+    e = torch.where((e > -126) & (pow2((e - 1).clamp_min(-126)) >= r), e - 1, e)
+    e = torch.where((e < 127) & (pow2(e) < r), e + 1, e)
+    return pow2(e)
 
 
 def _fp8_block_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -138,10 +159,18 @@ def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     the kernel per reference/deepseek_v4_arch.md section 2 and DeepSeek-V4-Pro:inference/kernel.py
     `act_quant_kernel`.
     """
-    _check_blocks(x, block, "act_quant")
-    xb = _as_fp32(x, "act_quant").unflatten(-1, (-1, block))
+    q, s = act_quant_values(x, block, "act_quant")
+    return q.to(torch.float8_e4m3fn), s
+
+
+def act_quant_values(x: torch.Tensor, block: int = 32, fn: str = "act_quant_values") -> tuple[torch.Tensor, torch.Tensor]:
+    """`act_quant` with q as its fp32 values (the e4m3 grid), which is what every GEMM input and
+    QDQ uses: under kernels_nki.formats.xla_spelling the rounding is int32/fp32 arithmetic, so
+    the graph holds no float8 dtype. Returns (q fp32 [..., K], s fp32 [..., K/block])."""
+    _check_blocks(x, block, fn)
+    xb = _as_fp32(x, fn).unflatten(-1, (-1, block))
     s = _fp8_block_scale(xb.abs().amax(-1, keepdim=True))
-    q = (xb / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = e4m3_round((xb / s).clamp(-E4M3_MAX, E4M3_MAX))
     return q.flatten(-2), s.squeeze(-1)
 
 
@@ -154,8 +183,8 @@ def act_quant_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv`; reference/deepseek_v4_arch.md
     section 2 (the inplace caveat).
     """
-    q, s = act_quant(x, block)
-    return _scale_blocks(q.float(), s, block).to(x.dtype)
+    q, s = act_quant_values(x, block, "act_quant_qdq")
+    return _scale_blocks(q, s, block).to(x.dtype)
 
 
 def _fp4_block_scale(amax: torch.Tensor, scale_fmt: str) -> torch.Tensor:
@@ -183,14 +212,14 @@ def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
     """
     a = v.abs()
     r = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return torch.copysign(r, v)
+    return copysign(r, v)
 
 
 def _e2m1_encode(r: torch.Tensor) -> torch.Tensor:
     """Exact e2m1 values (signed, -0.0 included) -> codes uint8 (bit 3 = sign)."""
     a = r.abs()
     magnitude = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4))
-    return (magnitude + 8 * torch.signbit(r)).to(torch.uint8)
+    return (magnitude + 8 * (copysign(torch.ones_like(r), r) < 0)).to(torch.uint8)
 
 
 def fp4_quantize(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,17 +308,18 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
 def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 block-scaled weight -> fp32: W[n, k] = float(w[n, k]) * scale[n // block, k // block].
 
-    w: float8_e4m3fn [N, K]; scale: float8_e8m0fnu [ceil(N/block), ceil(K/block)]. Returns fp32
+    w: float8_e4m3fn [N, K]; scale: float8_e8m0fnu [ceil(N/block), ceil(K/block)] (either may be
+    given as its uint8 bytes, as the neuron lowering passes them). Returns fp32
     [N, K]. The result is exact: an e4m3 value times a power of two is an fp32 value. The one
     exception is overflow, which needs weights within 7% of the fp32 maximum.
     Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) dequantises to NaN; no
     data-dependent check happens here, so loaders that must refuse NaN scales check the bytes first.
     Source: reference/deepseek_v4_arch.md section 5 (FP8 weight dequant).
     """
-    if w.dtype != torch.float8_e4m3fn or w.dim() != 2:
-        raise ValueError(f"dequant_fp8_weight: w must be 2-D float8_e4m3fn, got {w.dtype} {tuple(w.shape)}")
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise ValueError(f"dequant_fp8_weight: scale must be float8_e8m0fnu, got {scale.dtype}")
+    if w.dtype not in (torch.float8_e4m3fn, torch.uint8) or w.dim() != 2:
+        raise ValueError(f"dequant_fp8_weight: w must be 2-D float8_e4m3fn (or its uint8 bytes), got {w.dtype} {tuple(w.shape)}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"dequant_fp8_weight: scale must be float8_e8m0fnu (or its uint8 bytes), got {scale.dtype}")
     n, k = w.shape
     expected = (-(-n // block), -(-k // block))
     if tuple(scale.shape) != expected:
@@ -297,9 +327,9 @@ def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) ->
                          f"got {tuple(scale.shape)}")
     s = ue8m0_to_float(scale)
     if n % block == 0 and k % block == 0:  # broadcast instead of materialising the expanded scales
-        return (w.float().view(n // block, block, k // block, block) * s[:, None, :, None]).view(n, k)
+        return (e4m3_to_float(w).view(n // block, block, k // block, block) * s[:, None, :, None]).view(n, k)
     s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return w.float() * s
+    return e4m3_to_float(w) * s
 
 
 def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,7 +372,7 @@ def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
                          f"{FP4_WEIGHT_BLOCK}) scale must be {(*lead, k // FP4_WEIGHT_BLOCK)}, got {tuple(scale.shape)}")
     # one gather through a byte -> (low, high) value table instead of nibble arithmetic: the
     # decode step dequantises every routed expert, so this is on the hot path
-    values = _fp4_byte_table(w.device)[w.view(torch.uint8).long()].flatten(-2)
+    values = _fp4_byte_table(w.device)[as_uint8(w).long()].flatten(-2)
     return _scale_blocks(values, ue8m0_to_float(scale), FP4_WEIGHT_BLOCK)
 
 
@@ -482,8 +512,8 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor, order: str = "ascending") -> t
 def fp8_activation(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """The FP8 GEMM input: act_quant(x, block) dequantised, float(q) * s in fp32 [..., K] (exact,
     without the bf16 rounding of `act_quant_qdq`). Raises ValueError as `act_quant`."""
-    q, s = act_quant(x, block)
-    return _scale_blocks(q.float(), s, block)
+    q, s = act_quant_values(x, block, "fp8_activation")
+    return _scale_blocks(q, s, block)
 
 
 def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:
@@ -517,8 +547,8 @@ def experts_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order:
     e, n, k = w_deq.shape
     _check_blocks(w_deq, block, "experts_linear")
     _check_order(order, "experts_linear")
-    q, s = act_quant(x, block)
-    a = _scale_blocks(q.float(), s, block)
+    q, s = act_quant_values(x, block, "experts_linear")
+    a = _scale_blocks(q, s, block)
     m = a.shape[-2]
     if order == "fused":
         a = pad_rows(a) if a.dim() == 2 else torch.cat([a, a.new_zeros(e, max(0, MIN_GEMM_ROWS - m), k)], dim=1)

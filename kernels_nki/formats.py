@@ -10,7 +10,9 @@ inference/convert.py cast_e2m1fn_to_e4m3fn (e2m1 code table); see reference/kern
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 
@@ -18,6 +20,116 @@ import torch
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+
+
+class _Spelling:
+    """How graphs spell the ops that the neuron target's XLA bridge cannot run on the device:
+    torch's float8 casts, bit views (`view(dtype)`) and copysign (`xla` False: the cpu target and
+    the eager golden), or integer and fp32 arithmetic on the bytes (`xla` True, inside
+    `xla_spelling`: the neuron target). torch-xla 2.9 has no float8 types and runs
+    `view_copy.dtype`, `signbit` and `copysign` on the host, which executes the graph so far and
+    cuts it; trn1/trn2 have no OCP e4m3fn either. Both spellings give the same values
+    (tests/test_quant.py checks every byte and every bf16 pattern)."""
+
+    xla: bool = False
+
+
+SPELLING = _Spelling()
+
+
+@contextlib.contextmanager
+def xla_spelling() -> Iterator[None]:
+    """Within this context `e4m3_to_float`, `e4m3_round`, `ue8m0_to_float`, `as_uint8`, `pow2` users
+    and `copysign` use integer/fp32 arithmetic and take FP8 data as uint8 bytes, so a traced graph
+    holds no float8 dtype and no bit view."""
+    prev = SPELLING.xla
+    SPELLING.xla = True
+    try:
+        yield
+    finally:
+        SPELLING.xla = prev
+
+
+_E4M3_SUBNORMAL_STEP = 2.0**-9
+#: 2^e for e = -126..127 (all fp32 normals), indexed by e + 126 (`pow2`)
+_POW2 = tuple(2.0**e for e in range(-126, 128))
+
+
+def as_uint8(t: torch.Tensor) -> torch.Tensor:
+    """One-byte data [...] (uint8, int8 or a float8/float4 dtype) as its uint8 bytes [...]. Under
+    `xla_spelling` an int8 tensor is masked (`& 0xFF`) instead of bit-viewed: torch-xla 2.9 runs
+    `view(dtype)` on the host (aten::view_copy.dtype is a CPU fallback, which cuts the graph)."""
+    if t.dtype == torch.uint8:
+        return t
+    if SPELLING.xla and t.dtype == torch.int8:
+        return (t.to(torch.int32) & 0xFF).to(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 [...] for integer e in [-126, 127] (int32 [...]), exactly: one gather from the
+    table of the 254 normal powers of two (no bit view, see `as_uint8`; no pow, whose device
+    implementation need not be exact)."""
+    table = torch.tensor(_POW2, dtype=torch.float32, device=e.device)
+    return table[(e + 126).long()]
+
+
+def copysign(mag: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """torch.copysign(mag, sign) for mag >= 0; under `xla_spelling` as a select on sign < 0 or
+    sign == -0.0 (1/sign = -inf), which XLA runs on the device. NaN signs are not distinguished
+    there."""
+    if not SPELLING.xla:
+        return torch.copysign(mag, sign)
+    negative = (sign < 0) | ((sign == 0) & (1.0 / sign < 0))
+    return torch.where(negative, -mag, mag)
+
+
+def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3fn data [...] (float8_e4m3fn, or its bytes as uint8) -> fp32 [...], exact.
+
+    Under `xla_spelling` the bytes are decoded from their bit fields with integer ops and one
+    exact int -> fp32 conversion: sign, 4-bit exponent e (bias 7), 3-bit mantissa m; the value is
+    (8 + m) * 2^(e - 10) for e > 0 and m * 2^-9 for e = 0 (subnormal); S.1111.111 is NaN.
+    Raises ValueError for another dtype. Source: OCP 8-bit floating point spec v1.0 (E4M3).
+    """
+    if x.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"e4m3_to_float: expected float8_e4m3fn or uint8 bytes, got {x.dtype}")
+    if not SPELLING.xla:
+        return (x.view(torch.float8_e4m3fn) if x.dtype == torch.uint8 else x).float()
+    b = as_uint8(x).to(torch.int32)
+    exp, mant = (b >> 3) & 0xF, b & 0x7
+    normal = exp > 0
+    # (8 [e > 0] + m) * 2^(max(e, 1) - 1) is an integer below 2^18, then one exact scaling by 2^-9
+    units = (torch.where(normal, mant + 8, mant) << torch.where(normal, exp - 1, 0)).float()
+    mag = units * _E4M3_SUBNORMAL_STEP
+    mag = torch.where((exp == 15) & (mant == 7), math.nan, mag)
+    return torch.where(b >= 0x80, -mag, mag)
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [...] with |x| <= 448 (or NaN) -> fp32 [...] on the e4m3fn grid, round to nearest, ties
+    to even: `x.to(float8_e4m3fn).float()`.
+
+    Under `xla_spelling`, in fp32 arithmetic without bit views: the quantum q of |x|'s binade
+    (2^(k-3) in [2^k, 2^(k+1)) for k = -6..8, the subnormal step 2^-9 below 2^-6) comes from
+    log2 corrected by exact comparisons with `pow2`, then round-half-even(x / q) * q, where both
+    scalings are exact. The sign is kept (-0.0 stays -0.0); NaN stays NaN (its payload may
+    differ). Callers clamp first (`graphs.quant.e4m3_rne`), so no overflow rule is needed.
+    Raises ValueError unless x is fp32.
+    """
+    if x.dtype != torch.float32:
+        raise ValueError(f"e4m3_round: expected float32, got {x.dtype}")
+    if not SPELLING.xla:
+        return x.to(torch.float8_e4m3fn).float()
+    mag = x.abs()
+    # the binade k = floor(log2 |x|), corrected by exact comparisons (log2 may be an ulp off next
+    # to a power of two), held in the e4m3 range: below 2^-6 the subnormal quantum 2^-9 applies
+    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
+    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
+    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
+    k = torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
+    quantum = pow2(k - 3)
+    return torch.round(x / quantum) * quantum
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
@@ -40,7 +152,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Unpack int8/uint8 [..., K/2] into e2m1 codes uint8 [..., K] (even element from the low nibble)."""
-    b = packed.view(torch.uint8).to(torch.int32)
+    b = as_uint8(packed).to(torch.int32)
     codes = torch.stack([b & 0xF, (b >> 4) & 0xF], dim=-1).flatten(-2)
     return codes.to(torch.uint8)
 
@@ -57,11 +169,13 @@ def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     No data-dependent check here: this runs inside exported graphs. Loaders that want to refuse
     NaN scales check with `has_ue8m0_nan` first. Raises ValueError for any other dtype.
     """
-    if scale.dtype == torch.float8_e8m0fnu:
-        scale = scale.view(torch.uint8)
-    if scale.dtype != torch.uint8:
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise ValueError(f"ue8m0_to_float: expected float8_e8m0fnu or uint8, got {scale.dtype}")
-    out = (scale.to(torch.int32) << 23).view(torch.float32)
+    scale = as_uint8(scale)
+    if SPELLING.xla:  # no bit view (see `as_uint8`): 2^(byte - 127) built by `pow2`
+        out = pow2((scale.to(torch.int32) - 127).clamp(-126, 127))  # bytes 0 and 255: fixed below
+    else:
+        out = (scale.to(torch.int32) << 23).view(torch.float32)
     # byte 0 would be the denormal 2^-127, which a zero mantissa cannot spell; 255 is e8m0's NaN
     out = torch.where(scale == 0, torch.full_like(out, 2.0 ** -127), out)
     return torch.where(scale == 255, torch.full_like(out, math.nan), out)

@@ -96,7 +96,7 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
 
     valid = (idx >= 0) & (idx < n_kv)
     # flat row of kv for each slot; empty slots point at the zero row appended after the last batch
-    base = (torch.arange(bsz, dtype=torch.int64) * n_kv).view(bsz, 1, 1)
+    base = (torch.arange(bsz, dtype=torch.int64, device=idx.device) * n_kv).view(bsz, 1, 1)
     flat_idx = torch.where(valid, idx.long() + base, bsz * n_kv).view(rows, topk)
     valid = valid.view(rows, topk)
     table = torch.cat([kv.reshape(bsz * n_kv, dim), kv.new_zeros(1, dim)])
@@ -126,9 +126,10 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
     logits = torch.bmm(qf.double(), kvg.transpose(1, 2)).float() * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), -math.inf)
 
-    m = torch.full((rows, n_heads), M_INIT, dtype=torch.float32)
-    denom = torch.zeros(rows, n_heads, dtype=torch.float32)
-    acc = torch.zeros(rows, n_heads, dim, dtype=torch.float32)
+    # on qf's device: the XLA check runs this reference on the XLA device in place of the kernel
+    m = torch.full((rows, n_heads), M_INIT, dtype=torch.float32, device=qf.device)
+    denom = torch.zeros(rows, n_heads, dtype=torch.float32, device=qf.device)
+    acc = torch.zeros(rows, n_heads, dim, dtype=torch.float32, device=qf.device)
     for j0 in range(0, topk, BLOCK_KEYS):
         s = logits[:, :, j0:j0 + BLOCK_KEYS]
         m_new = torch.maximum(m, s.amax(dim=-1))

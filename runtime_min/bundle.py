@@ -273,10 +273,16 @@ def read_manifest(root: Path) -> Manifest:
     return Manifest.from_json(text)
 
 
-def open_bundle(path: str | Path, verify_key: str | Path | None = None) -> Bundle:
+#: compiler.backend of an `--hlo-only` bundle (compiler/backend_hlo.py), which no runtime loads
+HLO_BACKEND = "torch-xla-hlo"
+
+
+def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: bool = False) -> Bundle:
     """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem.
     verify_key: a PEM public key; the bundle must then carry a signature by its private key over
-    its files as they are (runtime_min/signing.py), checked right after the manifest parses."""
+    its files as they are (runtime_min/signing.py), checked right after the manifest parses.
+    An HLO-only bundle (compiler.backend HLO_BACKEND) is refused unless hlo_ok (`dsneuron inspect`):
+    it holds no executables, so its target and toolchain are not checked either."""
     root = Path(path).absolute()
     manifest = read_manifest(root)
     if verify_key is not None:
@@ -286,7 +292,13 @@ def open_bundle(path: str | Path, verify_key: str | Path | None = None) -> Bundl
     if manifest.target not in TARGETS:
         raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
     check_creator(manifest.created_by)
-    check_target(manifest.target, "run")
-    check_toolchain(manifest.toolchain, target=manifest.target)
+    hlo = manifest.compiler.get("backend") == HLO_BACKEND
+    if hlo and not hlo_ok:
+        raise BundleError(f"{root} holds HLO modules (dsneuron compile --target neuron --hlo-only), not NEFFs: compile "
+                          "them with neuronx-cc on a host with the Neuron SDK (or there run the compile without "
+                          "--hlo-only); nothing runs them here")
+    if not hlo:
+        check_target(manifest.target, "run")
+        check_toolchain(manifest.toolchain, target=manifest.target)
     verify_files(root, manifest)
     return Bundle(root, manifest)

@@ -86,7 +86,8 @@ def engram_columns(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"engram_ids.{e}": engram_ids[:, :, e].clone(memory_format=torch.contiguous_format)
             for e in range(engram_ids.shape[2])}
 # Executable file extension per target.
-EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff"}
+# "neuron-hlo": the HLO modules of `dsneuron compile --target neuron --hlo-only` (not runnable)
+EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff", "neuron-hlo": "hlo.pb"}
 # Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was
 # traced into aten ops before the backend compile (no Python at run time); "call" = the executable
 # calls the registered op through the dispatcher, so the op's module must be imported before loading.
