@@ -11,7 +11,9 @@ torch reference (xla_check.REFERENCE_KERNELS), and the manifest says which (`com
 
 The HLO's parameters are the device tensors the trace read, in the order torch-xla numbers them:
 the bucket's inputs (weights, data, state) and values the graph holds (tables, scalars).
-`compiler.hlo[file]["parameters"]` maps parameter i to {"input": name} or {"value": key} of the
+`compiler.hlo[file]["parameters"]` maps parameter i to {"input": j}, position j in the bucket's
+calling convention (its `weights`, then its `inputs`, as the manifest lists them; weights as
+stored, after the manifest's `load_casts` and `weight_views`), or to {"value": key} of the
 bucket's side file `<stem>.values.safetensors`, so a runner can feed a NEFF built from it.
 Nothing here runs a bundle: `dsneuron run` refuses an HLO-only bundle (runtime_min/bundle.py).
 """
@@ -113,6 +115,7 @@ class HloBackend:
             hlo, side = Path(tmp) / out.name, Path(tmp) / values_file(out).name
             hlo.write_bytes(proto)
             save_file(values, str(side))
+            os.chmod(side, 0o644)  # as every other bundle file (a private temp file otherwise)
             os.replace(side, values_file(out))
             os.replace(hlo, out)
         self._facts[stem] = {"format": "HloModuleProto", "parameters": parameters,

@@ -127,7 +127,8 @@ def compile_cmd(
     decode_lens: Optional[str] = typer.Option(None, "--decode-lens", help="with --checkpoint: decode context lengths "
                                                                           "[default: max-seq-len]"),
     out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
-    target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK)"),
+    target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK, "
+                                                       "or torch-xla with --hlo-only)"),
     force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing bundle (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
     probes: bool = typer.Option(False, "--probes", metavar=FLAG, help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
@@ -297,7 +298,7 @@ def sign_cmd(
     from dsneuron.runtime_min.signing import check_private_key, sign_bundle
 
     check_private_key(key)
-    b = open_bundle(bundle)  # only a bundle that verifies as it is gets signed
+    b = open_bundle(bundle, hlo_ok=True)  # only a bundle that verifies as it is gets signed
     path = sign_bundle(b.root, key)
     console.print(f"signed {b.root}: {path.name}")
 

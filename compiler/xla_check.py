@@ -11,7 +11,10 @@ then XLA compiles and executes it on the CPU, and `check_bucket` compares every 
 eager step run on the CPU with torch's own float8 casts, the cpu target's numerics.
 
 NOT on this path: neuronx-cc, the NKI kernels inside a NEFF, NEFF execution, Trainium's own
-arithmetic. Needs torch_xla importable (scripts/xla-check makes a venv with it);
+arithmetic. Known wall ahead (reported as `HloFacts.f64_instructions`, not refused): the graphs'
+exact float64 dot products, in the inlined `mqa_logits_bf16` reference of the indexer and in
+`sparse_attn_ref` where it stands in for the kernel, reach the HLO as f64, which Trainium's
+engines do not compute. Needs torch_xla importable (scripts/xla-check makes a venv with it);
 backend_hlo.require_torch_xla raises BundleError naming what is missing.
 """
 
@@ -55,13 +58,16 @@ _CONSTANT_ELEMS_LIMIT = 4096  # a weight baked into the HLO would be a constant 
 class HloFacts:
     """What `hlo_facts` reads off one HLO module's text.
 
-    float8_types: f8/f4 element types found (must be empty); dynamic_dims: shapes with a bounded
+    float8_types: f8/f4 element types found (must be empty); f64_instructions: instructions with an
+    f64 result (reported, not refused: Trainium's engines have no fp64, see the module docstring);
+    dynamic_dims: shapes with a bounded
     dynamic dimension ("<=N" or "?"; must be none); parameters: parameter instructions of the entry
     computation; largest_constant: elements of the largest constant (weights are parameters, so
     this stays small); ops: {op: count} of COUNTED_OPS over the whole module; instructions: total.
     """
 
     float8_types: list[str]
+    f64_instructions: int
     dynamic_dims: list[str]
     parameters: int
     largest_constant: int
@@ -73,9 +79,10 @@ def hlo_facts(text: str) -> HloFacts:
     """Parse HLO text (torch_xla `_get_xla_tensors_hlo`) into HloFacts."""
     entry = text[text.find("ENTRY"):] if "ENTRY" in text else text
     ops = {op: 0 for op in COUNTED_OPS}
-    largest, instructions, dynamic = 0, 0, []
+    largest, instructions, dynamic, f64 = 0, 0, [], 0
     for shape, op in _INSTR.findall(text):
         instructions += 1
+        f64 += "f64[" in shape
         if op in ops:
             ops[op] += 1
         for dims in _SHAPE.findall(shape):
@@ -84,7 +91,7 @@ def hlo_facts(text: str) -> HloFacts:
         if op == "constant":
             dims = (_SHAPE.findall(shape) or [""])[0]
             largest = max(largest, math.prod(int(d) for d in dims.split(",") if d.strip().isdigit()))
-    return HloFacts(float8_types=sorted(set(_F8_TYPE.findall(text))), dynamic_dims=dynamic[:5],
+    return HloFacts(float8_types=sorted(set(_F8_TYPE.findall(text))), f64_instructions=f64, dynamic_dims=dynamic[:5],
                     parameters=len(re.findall(r"\sparameter\(\d+\)", entry)), largest_constant=largest,
                     ops=ops, instructions=instructions)
 

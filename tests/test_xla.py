@@ -22,6 +22,7 @@ wrong rather than reordered (a bad decode, layout or wiring) lands far outside t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -31,7 +32,7 @@ import pytest
 import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-torch_xla = pytest.importorskip("torch_xla", reason="torch-xla is not importable here; scripts/xla-check runs these tests")
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 
 from dsneuron.compiler import xla_check  # noqa: E402
 from dsneuron.compiler.buckets import plan_buckets  # noqa: E402
@@ -40,12 +41,14 @@ from dsneuron.compiler.config import load_config  # noqa: E402
 from dsneuron.graphs.quant import ue8m0_scale  # noqa: E402
 from dsneuron.kernels_nki.formats import copysign, e4m3_round, e4m3_to_float, ue8m0_to_float, xla_spelling  # noqa: E402
 
-pytestmark = pytest.mark.xla
+pytestmark = [pytest.mark.xla, pytest.mark.skipif(not HAS_XLA, reason="torch-xla is not importable here; "
+                                                                      "scripts/xla-check runs these tests")]
 
 #: logits: 1 - cosine similarity with the eager logits (measured worst on micro: 3.2e-2)
 XLA_LOGITS_MAX_1MCOS = 0.1
-#: every float output: largest |XLA - eager| over the output's largest |value| (measured worst: 0.46)
-XLA_MAX_REL = 1.0
+#: every float output: largest |XLA - eager| over the output's largest |value| (measured worst: 0.46
+#: on micro); an all-zero or garbage output gives 1 or more
+XLA_MAX_REL = 0.75
 
 _MICRO = load_config("micro")
 _MICRO_BUCKETS = plan_buckets(_MICRO[1], _MICRO[0]).buckets
@@ -105,6 +108,7 @@ def test_xla_spelling_equals_torch_casts_on_the_xla_device():
     of torch's own casts on the CPU: every e4m3 and e8m0 byte, every bf16 pattern for the e4m3
     rounding and the UE8M0 scale, powers of two and their neighbours, and copysign on -0.0. None
     of them falls back to the host."""
+    import torch_xla
     import torch_xla.debug.metrics as metrics
 
     dev = torch_xla.device()
