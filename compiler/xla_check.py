@@ -8,7 +8,8 @@ the XLA device under the same `NkiDispatch` seam with `REFERENCE_KERNELS`, where
 adapter (kernels_nki/neuron_adapters.py) calls the op's torch reference in place of the `@nki.jit`
 kernel. So only the kernel call differs from a trn host. The HLO text is checked (`hlo_facts`),
 then XLA compiles and executes it on the CPU, and `check_bucket` compares every output with the
-eager step run on the CPU with torch's own float8 casts, the cpu target's numerics.
+same step module run eagerly on the CPU (torch's own float8 casts, the "fused" GEMM order the
+neuron target traces).
 
 NOT on this path: neuronx-cc, the NKI kernels inside a NEFF, NEFF execution, Trainium's own
 arithmetic. Known wall ahead (reported as `HloFacts.f64_instructions`, not refused): the graphs'

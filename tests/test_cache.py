@@ -446,7 +446,8 @@ record, program = pipeline._export(kit.parts, pb, pipeline.CpuBackend(None))
 flags, tc = backend_cpu.effective_flags(None), host_toolchain()
 # any module-level function serves as the adapter: only its module's source enters the key
 kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": NkiBinding("stand_in:gated_mix", call_sparse_attn)})
-neuron = SimpleNamespace(lowering=lambda: backend_neuron.lowering(kernels), input_views=backend_neuron.INPUT_VIEWS)
+neuron = SimpleNamespace(lowering=lambda: backend_neuron.lowering(kernels), input_views=backend_neuron.INPUT_VIEWS,
+                         xla_spelling=backend_neuron.NeuronBackend.xla_spelling)
 nrecord, nprogram = pipeline._export(kit.parts, pb, neuron)
 nflags = ["--target=trn2", "-O1"]
 print(json.dumps({
