@@ -159,7 +159,8 @@ def trace_bucket(program: torch.export.ExportedProgram, args: list[torch.Tensor]
 class Agreement:
     """One output of the XLA run against the eager step: bit_identical, and otherwise how far:
     differing (fraction of elements whose bits differ), max_abs, max_rel (max_abs over the largest
-    |value| of the eager output) and for the logits cos (cosine similarity in fp64)."""
+    |value| of the eager output), for the logits cos (cosine similarity in fp64), and
+    zero_mismatch: one side all zeros and the other not (a dropped write, whatever the bounds)."""
 
     name: str
     dtype: str
@@ -168,6 +169,7 @@ class Agreement:
     max_abs: float
     max_rel: float
     cos: float | None = None
+    zero_mismatch: bool = False
 
 
 def agreement(name: str, got: torch.Tensor, want: torch.Tensor) -> Agreement:
@@ -190,7 +192,9 @@ def agreement(name: str, got: torch.Tensor, want: torch.Tensor) -> Agreement:
     if name == "logits":
         g, w = got.double().flatten(), want.double().flatten()
         cos = float(torch.dot(g, w) / (g.norm() * w.norm()).clamp_min(1e-300))
-    return Agreement(name, str(want.dtype).removeprefix("torch."), bool(same.all()), differing, max_abs, max_rel, cos)
+    zero_mismatch = bool((got == 0).all()) != bool((want == 0).all())
+    return Agreement(name, str(want.dtype).removeprefix("torch."), bool(same.all()), differing, max_abs, max_rel, cos,
+                     zero_mismatch)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ some of those into whole steps, which micro's random weights carry to the logits
 size of what a change of GEMM summation order alone does (the report's floor: the eager step in
 exact "ascending" order against "fused"). Measured on micro's 8 buckets: logits 1 - cos from 4e-14
 (prefill b1 s16, bf16 states bit-identical) to 3.2e-2 (prefill b2 s64, floor 3.3e-2); the decode
-buckets' states bit-identical. The bounds below are those figures with margin; an output that is
-wrong rather than reordered (a bad decode, layout or wiring) lands far outside them.
+buckets' states bit-identical. The bounds below are those figures with margin for another host's
+roundings; an output that is wrong rather than reordered (a bad decode, layout or wiring) moves the
+logits' cosine far outside its bound, or leaves a state all zeros.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ pytestmark = [pytest.mark.xla, pytest.mark.skipif(not HAS_XLA, reason="torch-xla
 #: logits: 1 - cosine similarity with the eager logits (measured worst on micro: 3.2e-2)
 XLA_LOGITS_MAX_1MCOS = 0.1
 #: every float output: largest |XLA - eager| over the output's largest |value| (measured worst: 0.46
-#: on micro); an all-zero or garbage output gives 1 or more
-XLA_MAX_REL = 0.75
+#: on micro, 0.44 on tiny; another host's XLA and BLAS draw other roundings, hence the margin). An
+#: output left all zeros where the eager one is not fails on its own (`Agreement.zero_mismatch`).
+XLA_MAX_REL = 1.5
 
 _MICRO = load_config("micro")
 _MICRO_BUCKETS = plan_buckets(_MICRO[1], _MICRO[0]).buckets
@@ -66,6 +68,7 @@ def _check(parts, cfg, buckets, pb, tmp_path: Path) -> xla_check.BucketReport:
     (out / f"{pb.label.replace(' ', '_')}.json").write_text(json.dumps(report.to_dict(), indent=1))
     assert report.problems == [], report.problems
     for a in report.outputs:
+        assert not a.zero_mismatch, a
         if a.dtype in ("float32", "bfloat16"):
             assert a.max_rel <= XLA_MAX_REL, a
         else:  # integer outputs (none today) hold no rounding
