@@ -2,12 +2,12 @@
 
 Where torch-xla imports but the Neuron SDK does not (this host: torch 2.9 + torch-xla 2.9 on
 XLA:CPU), a neuron compile stops at the HLO that neuronx-cc takes. Per bucket, the program the
-neuron backend would compile (its lowering, the XLA spelling, compiler/xla_check.py
-`export_neuron`) runs on the XLA device under backend_neuron.NkiDispatch and the HLO module of its
+neuron backend would compile (its lowering, the XLA spelling, compiler/compile.py
+`_export`) runs on the XLA device under backend_neuron.NkiDispatch and the HLO module of its
 outputs is written as a serialized HloModuleProto, the input of `neuronx-cc compile --framework
 XLA` (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst). With the `nki` package
 importable, each NKI op is its kernel's custom-call, as on a trn host; without it, each op is its
-torch reference (xla_check.REFERENCE_KERNELS), and the manifest says which (`compiler.nki_ops`).
+torch reference (compiler/xla_check.py REFERENCE_KERNELS), and the manifest says which (`compiler.nki_ops`).
 
 The HLO's parameters are the device tensors the trace read, in the order torch-xla numbers them:
 the bucket's inputs (weights, data, state) and values the graph holds (tables, scalars).
@@ -35,19 +35,18 @@ from dsneuron.runtime_min.schema import BundleError
 from .backend_neuron import INPUT_VIEWS, NKI_KERNELS, kernel_sources, lowering
 from .export import CompileError
 from .lower import InlineCustomOps
+from .xla_check import REFERENCE_KERNELS, require_torch_xla, trace_bucket
 
 BACKEND = HLO_BACKEND
 VALUES_SUFFIX = ".values.safetensors"
 
 
-def require_torch_xla() -> Any:
-    """The torch_xla module; BundleError (exit 2 from the CLI) naming what is missing."""
-    try:
-        import torch_xla
-    except ImportError as e:
-        raise BundleError(f"--hlo-only needs torch-xla, which is not importable here ({e}); scripts/xla-check "
-                          "makes a venv with torch==2.9.0 and torch-xla==2.9.0 (PJRT_DEVICE=CPU runs it on the CPU)") from None
-    return torch_xla
+def check_hlo_only(target: str) -> Any:
+    """Raise BundleError unless an `--hlo-only` compile of `target` can run here (target neuron,
+    torch-xla importable); returns the torch_xla module."""
+    if target != "neuron":
+        raise BundleError(f"--hlo-only goes with --target neuron (got --target {target})")
+    return require_torch_xla()
 
 
 def values_file(hlo_file: Path) -> Path:
@@ -68,10 +67,8 @@ class HloBackend:
 
     def __init__(self) -> None:
         torch_xla = require_torch_xla()
-        from . import xla_check  # imports this module: not at the top
-
         self.kernel_ops = "kernel" if importlib.util.find_spec("nki") is not None else "torch reference"
-        self.bindings = dict(NKI_KERNELS) if self.kernel_ops == "kernel" else dict(xla_check.REFERENCE_KERNELS)
+        self.bindings = dict(NKI_KERNELS) if self.kernel_ops == "kernel" else dict(REFERENCE_KERNELS)
         self.kernels = kernel_sources()
         self.toolchain = {**host_toolchain(), "cpu_isa": [], "torch_xla": torch_xla.__version__}
         self._facts: dict[str, dict[str, Any]] = {}
@@ -86,8 +83,6 @@ class HloBackend:
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
         """Trace `program` on the XLA device and write its HloModuleProto to `out` and the values it
         reads besides its inputs to `values_file(out)` (both written whole, then renamed)."""
-        from .xla_check import trace_bucket
-
         torch_xla = require_torch_xla()
         dev = torch_xla.device()
         sig = program.graph_signature
@@ -95,7 +90,7 @@ class HloBackend:
         specs = [(n.name, n.meta["val"]) for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
         args = [torch.zeros(v.shape, dtype=v.dtype).to(dev) for _, v in specs]
         ids = {torch_xla._XLAC._xla_get_tensor_id(a): i for i, a in enumerate(args)}
-        outs, _, fallbacks = trace_bucket(program, args, self.bindings)
+        outs, fallbacks = trace_bucket(program, args, self.bindings)
         if fallbacks:
             raise CompileError(f"{stem}: torch-xla ran {', '.join(fallbacks)} on the host, which cuts the graph: "
                                "no single HLO module; spell it for XLA (kernels_nki/formats.py xla_spelling)")

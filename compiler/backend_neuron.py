@@ -408,6 +408,7 @@ class NeuronBackend:
     input_views = INPUT_VIEWS
     # torch-xla has no float8 types and trn1/trn2 no OCP e4m3fn (neuronx-cc EVRF051)
     xla_spelling = True
+    cacheable = True
 
     def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
         self.flags = plan_flags(flags, stems)

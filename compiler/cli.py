@@ -145,11 +145,9 @@ def compile_cmd(
     from dsneuron.runtime_min.bundle import check_target
 
     if hlo_only:  # fail fast, before reading anything
-        if target != "neuron":
-            raise UserError(f"--hlo-only goes with --target neuron (got --target {target})")
-        from dsneuron.compiler.backend_hlo import require_torch_xla
+        from dsneuron.compiler.backend_hlo import check_hlo_only
 
-        require_torch_xla()
+        check_hlo_only(target)
     else:
         check_target(target)
     if sign_key is not None:

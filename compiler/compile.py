@@ -91,7 +91,8 @@ class Backend(Protocol):
     target: the bundle's target ("cpu", "neuron"); name: the manifest's `compiler.backend`, also a
     cache key ingredient; toolchain: the manifest's `toolchain`; input_views: {weight dtype: dtype}
     of weights passed to the executable as same-width views (compiler/export.py); xla_spelling:
-    export with FP8 decodes and roundings in integer arithmetic (no float8 dtype in the graph).
+    export with FP8 decodes and roundings in integer arithmetic (no float8 dtype in the graph);
+    cacheable: its one output file per bucket may be kept in and taken from the compile cache.
     """
 
     target: str
@@ -99,6 +100,7 @@ class Backend(Protocol):
     toolchain: dict[str, Any]
     input_views: Mapping[torch.dtype, torch.dtype]
     xla_spelling: bool
+    cacheable: bool
 
     def lowering(self) -> InlineCustomOps:
         """A fresh export-time lowering mode for one bucket (compiler/lower.py)."""
@@ -125,6 +127,7 @@ class CpuBackend:
     name = backend_cpu.BACKEND
     input_views = backend_cpu.INPUT_VIEWS
     xla_spelling = False  # Inductor's float8 casts are the fastest spelling on this CPU
+    cacheable = True
 
     def __init__(self, flags: dict[str, Any] | None):
         self.flags = backend_cpu.effective_flags(flags)
@@ -151,10 +154,9 @@ def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]
     checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc,
     or with hlo_only without torch-xla); BundleError for an unknown target or hlo_only off neuron."""
     if hlo_only:
-        if target != "neuron":
-            raise BundleError(f"--hlo-only goes with --target neuron (got --target {target})")
-        from .backend_hlo import HloBackend
+        from .backend_hlo import HloBackend, check_hlo_only
 
+        check_hlo_only(target)
         return HloBackend()
     if target == "cpu":
         return CpuBackend(flags)
@@ -241,7 +243,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 hit = sc.plan(pb, prekey, rel, per_token_lens.get(pb.batch))
                 progress.update(task, status="cached" if hit else "waiting to compile", completed=hit)
                 continue
-            cacheable = getattr(backend, "cacheable", True)
+            cacheable = backend.cacheable
             record = cache.get_alias(prekey) if prekey and cacheable else None
             how = "cached"
             if record is None:

@@ -33,9 +33,10 @@ import torch
 
 from dsneuron.kernels_nki.neuron_adapters import NkiBinding, call_sparse_attn
 
+from dsneuron.runtime_min.schema import BundleError
+
 from .buckets import PlannedBucket
-from .backend_hlo import require_torch_xla
-from .export import CompileError, ExportedStep, export_step
+from .export import CompileError
 
 #: The NKI ops the model graphs call, each answered by a torch function with its kernel's calling
 #: convention (sparse_attn_ref takes the padded slot table the adapter builds, as the kernel does).
@@ -43,6 +44,16 @@ from .export import CompileError, ExportedStep, export_step
 REFERENCE_KERNELS: dict[str, NkiBinding] = {
     "dsneuron::sparse_attn": NkiBinding("dsneuron.kernels_nki.sparse_attn_ref:sparse_attn_ref", call_sparse_attn),
 }
+
+def require_torch_xla() -> Any:
+    """The torch_xla module; BundleError (exit 2 from the CLI) naming what is missing."""
+    try:
+        import torch_xla
+    except ImportError as e:
+        raise BundleError(f"--hlo-only needs torch-xla, which is not importable here ({e}); scripts/xla-check "
+                          "makes a venv with torch==2.9.0 and torch-xla==2.9.0 (PJRT_DEVICE=CPU runs it on the CPU)") from None
+    return torch_xla
+
 
 #: HLO ops counted in the report: loops and data-dependent movement, the ops that make or break a
 #: static NEFF schedule
@@ -121,26 +132,14 @@ def used_inputs(program: torch.export.ExportedProgram) -> int:
                and any(u.op != "output" for u in n.users))
 
 
-def export_neuron(graph: Any, weights: dict[str, torch.Tensor], label: str) -> ExportedStep:
-    """The bucket program the neuron backend compiles: exported with the neuron lowering (NKI ops
-    kept as calls) and integer float8 arithmetic, custom ops checked (compiler/lower.py finish)."""
-    from .backend_neuron import INPUT_VIEWS, kernel_sources, lowering
-    from .lower import finish
-
-    mode = lowering(kernel_sources())
-    exported = export_step(graph, weights, label, INPUT_VIEWS, mode, xla_spelling=True)
-    finish(exported.program, mode, label)
-    return exported
-
-
 def trace_bucket(program: torch.export.ExportedProgram, args: list[torch.Tensor],
-                 bindings: dict[str, NkiBinding] | None = None) -> tuple[list[torch.Tensor], str, list[str]]:
+                 bindings: dict[str, NkiBinding] | None = None) -> tuple[list[torch.Tensor], list[str]]:
     """Run `program` on the XLA device with its NKI ops answered through backend_neuron.NkiDispatch
     (lnc 1) by `bindings` (default REFERENCE_KERNELS). args: the program's inputs (weights as the
     bundle stores them, viewed as the export's views say, then data and state), on the host or the
-    device. Returns (the outputs as lazy XLA tensors, the HLO text of their computation, the aten
-    ops torch-xla ran on the host: each such fallback executes the graph so far and cuts it, so a
-    bucket needs none). Raises BundleError without torch-xla."""
+    device. Returns (the outputs as lazy XLA tensors, not yet executed; the aten ops torch-xla ran
+    on the host: each such fallback executes the graph so far and cuts it, so a bucket needs none).
+    Raises BundleError without torch-xla."""
     torch_xla = require_torch_xla()
     import torch_xla.debug.metrics as metrics
 
@@ -151,8 +150,7 @@ def trace_bucket(program: torch.export.ExportedProgram, args: list[torch.Tensor]
     metrics.clear_all()
     with torch.no_grad(), NkiDispatch(REFERENCE_KERNELS if bindings is None else bindings, 1):
         outs = list(module(*[a.to(dev) for a in args]))
-    hlo = torch_xla._XLAC._get_xla_tensors_hlo(outs)
-    return outs, hlo, sorted(metrics.executed_fallback_ops())
+    return outs, sorted(metrics.executed_fallback_ops())
 
 
 @dataclass
@@ -232,10 +230,7 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
     B = pb.batch
 
     def ids(tokens: torch.Tensor) -> torch.Tensor:
-        if hasher is None:
-            E, C = 0, 0
-            return torch.zeros(*tokens.shape, E, C, dtype=torch.int64)
-        return hasher.hash_sequence(tokens)
+        return torch.zeros(*tokens.shape, 0, 0, dtype=torch.int64) if hasher is None else hasher.hash_sequence(tokens)
 
     if pb.kind == "prefill":
         S = pb.seq_len
@@ -269,19 +264,23 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, work: Path, prefill_le
         exact.order = "ascending"
         floor = list(exact(*inputs))
     t1 = time.perf_counter()
-    exported = export_neuron(graph, parts.weights, pb.label)
-    weights = [parts.weights[n].view(exported.views[n]) if n in exported.views else parts.weights[n]
-               for n in exported.weights]
+    from .backend_hlo import HloBackend  # imports this module: not at the top
+    from .compile import _export
+
+    record, program = _export(parts, pb, HloBackend())  # the program a neuron compile of pb compiles
+    weights = [parts.weights[n].view(getattr(torch, record["views"][n])) if n in record["views"] else parts.weights[n]
+               for n in record["weights"]]
     t2 = time.perf_counter()
-    outs, hlo, fallbacks = trace_bucket(exported.program, [*weights, *inputs])
+    outs, fallbacks = trace_bucket(program, [*weights, *inputs])
+    hlo = require_torch_xla()._XLAC._get_xla_tensors_hlo(outs)
     t3 = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     stem = pb.label.replace(" ", "_")
     hlo_file = work / f"{stem}.hlo.txt"
     hlo_file.write_text(hlo)
     facts = hlo_facts(hlo)
-    report = BucketReport(pb.label, str(hlo_file), len(exported.program.graph.nodes), facts,
-                          hlo_problems(facts, used_inputs(exported.program))
+    report = BucketReport(pb.label, str(hlo_file), len(program.graph.nodes), facts,
+                          hlo_problems(facts, used_inputs(program))
                           + [f"host fallback of {op}" for op in fallbacks])
     require_torch_xla().sync()
     got = [o.cpu() for o in outs]

@@ -45,6 +45,7 @@ from dsneuron.kernels_nki.formats import (
     fp4_codes_to_float,
     pack_fp4,
     pow2,
+    signbit,
     ue8m0_to_float,
     unpack_fp4,
 )
@@ -219,7 +220,7 @@ def _e2m1_encode(r: torch.Tensor) -> torch.Tensor:
     """Exact e2m1 values (signed, -0.0 included) -> codes uint8 (bit 3 = sign)."""
     a = r.abs()
     magnitude = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4))
-    return (magnitude + 8 * (copysign(torch.ones_like(r), r) < 0)).to(torch.uint8)
+    return (magnitude + 8 * signbit(r)).to(torch.uint8)
 
 
 def fp4_quantize(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,8 +39,8 @@ SPELLING = _Spelling()
 
 @contextlib.contextmanager
 def xla_spelling() -> Iterator[None]:
-    """Within this context `e4m3_to_float`, `e4m3_round`, `ue8m0_to_float`, `as_uint8`, `pow2` users
-    and `copysign` use integer/fp32 arithmetic and take FP8 data as uint8 bytes, so a traced graph
+    """Within this context `e4m3_to_float`, `e4m3_round`, `ue8m0_to_float`, `as_uint8`, `pow2` users,
+    `signbit` and `copysign` use integer/fp32 arithmetic and take FP8 data as uint8 bytes, so a traced graph
     holds no float8 dtype and no bit view."""
     prev = SPELLING.xla
     SPELLING.xla = True
@@ -74,14 +74,19 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
     return table[(e + 126).long()]
 
 
+def signbit(x: torch.Tensor) -> torch.Tensor:
+    """torch.signbit(x) (bool [...]); under `xla_spelling` as x < 0 or x == -0.0 (1/x = -inf),
+    which XLA runs on the device. NaN signs are not distinguished there."""
+    if not SPELLING.xla:
+        return torch.signbit(x)
+    return (x < 0) | ((x == 0) & (1.0 / x < 0))
+
+
 def copysign(mag: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """torch.copysign(mag, sign) for mag >= 0; under `xla_spelling` as a select on sign < 0 or
-    sign == -0.0 (1/sign = -inf), which XLA runs on the device. NaN signs are not distinguished
-    there."""
+    """torch.copysign(mag, sign) for mag >= 0; under `xla_spelling` a select on `signbit`."""
     if not SPELLING.xla:
         return torch.copysign(mag, sign)
-    negative = (sign < 0) | ((sign == 0) & (1.0 / sign < 0))
-    return torch.where(negative, -mag, mag)
+    return torch.where(signbit(sign), -mag, mag)
 
 
 def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
