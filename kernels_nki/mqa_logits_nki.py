@@ -1,9 +1,12 @@
-"""NKI kernels of `dsneuron::mqa_logits` (dense) and `dsneuron::mqa_logits_sparse` for trn2.
+"""NKI kernels of `dsneuron::mqa_logits` (dense) and `dsneuron::mqa_logits_sparse` for trn2, and of
+their paged variants (`paged_mqa_logits_kernel`, `paged_mqa_logits_sparse_kernel`, references in
+mqa_logits_ref.py; no op calls them yet: the runtime keeps no paged cache).
 
 Current NKI dialect (nki >= 0.3). Semantics are those of `mqa_logits_ref` (score = sum_h relu(q[h] . k)
 * w[h] over UE8M0-scaled FP8 / FP4 operands, -inf outside the row's keys). Per query token, heads sit
 on partitions: the token's keys are gathered by index (contiguous [ks, ke) for the dense op, candidate
-blocks for the sparse one), decoded on chip and transposed, so both ops share one code path.
+blocks for the sparse one, either of them as context positions mapped through a block table for the
+paged ops), decoded on chip and transposed, so all four kernels share one code path.
 
 Operands on the Tensor Engine are bf16, not fp8, for two trn2 facts: DeepSeek's FP8 is OCP e4m3fn
 (largest finite 448), while the NeuronCore-v3 Tensor Engine takes the IEEE-style float8_e4m3 whose
@@ -15,6 +18,8 @@ fp32 with integer operations and multiplied by its power-of-two scale, and the p
 times 2^k, is exact in bf16 (4 significant bits) while it is a normal bf16 number.
 Importing this module needs `nki` (the SDK or `dsneuron.kernels_nki.sim`).
 """
+
+from typing import NamedTuple
 
 import nki
 import nki.isa as nisa
@@ -35,6 +40,10 @@ BLOCK_SHIFT = {8: 3, 16: 4}
 FORMATS = ("fp8", "fp4")
 #: Key indices are computed in fp32: exact below 2^24.
 KEYS_MAX = 1 << 24
+#: Smallest page of the paged kernels (DeepGEMM block_kv is 32 or 64, the seed's 64 or 128): from 32
+#: tokens on, a page's bytes are a whole number of code rows (fp8 32 * D/32 scale bytes = one D-byte
+#: row, fp4 half of that), so one indirect DMA row is one token's codes or scales.
+PAGE_MIN = 32
 
 # e4m3fn decode: the 7 magnitude bits placed at fp32 bits 20..26 plus exponent 120 give
 # 2^(e-7) * (1 + m/8) exactly for e >= 1; a subnormal (e = 0) comes out as 2^-7 + m*2^-10 and is
@@ -98,7 +107,7 @@ def mqa_logits_kernel(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt):
     check_mqa_shapes(q.shape, q_sf.shape, kv.shape, kv_sf.shape, weights.shape, max_seqlen_k, fmt)
     out = nl.ndarray((q.shape[0], -(-max_seqlen_k // ROW_ALIGN) * ROW_ALIGN), dtype=nl.bfloat16,
                      buffer=nl.shared_hbm)
-    _all_rows(out, q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt, None, 0)
+    _all_rows(out, q, q_sf, weights, max_seqlen_k, fmt, _Contiguous(kv, kv_sf, ks, ke), None, 0)
     return out
 
 
@@ -124,12 +133,151 @@ def mqa_logits_sparse_kernel(q, q_sf, kv, kv_sf, weights, ks, ke, block_idx, blo
     n_cols = block_idx.shape[1] * block_size
     check_mqa_shapes(q.shape, q_sf.shape, kv.shape, kv_sf.shape, weights.shape, n_cols, fmt)
     out = nl.ndarray((q.shape[0], -(-n_cols // ROW_ALIGN) * ROW_ALIGN), dtype=nl.bfloat16, buffer=nl.shared_hbm)
-    _all_rows(out, q, q_sf, kv, kv_sf, weights, ks, ke, n_cols, fmt, block_idx, block_size)
+    _all_rows(out, q, q_sf, weights, n_cols, fmt, _Contiguous(kv, kv_sf, ks, ke), block_idx, block_size)
     return out
 
 
-def _all_rows(out, q, q_sf, kv, kv_sf, weights, ks, ke, n_cols, fmt, block_idx, block_size):
-    """Shared body: per query row, the dequantized query and then the key tiles."""
+def check_paged_shapes(q_shape, q_sf_shape, kv_cache_shape, w_shape, lens_shape, table_shape, n_cols, fmt):
+    """Raise ValueError naming the limit when the paged kernels cannot run these shapes."""
+    if len(q_shape) != 4 or len(q_sf_shape) != 4 or len(kv_cache_shape) != 4:
+        raise ValueError(f"paged mqa_logits kernels: want q [B,N,H,Dq], q_sf [B,N,H,D/32] and kv_cache "
+                         f"[pages,page,1,Dq+D/32], got {q_shape}, {q_sf_shape}, {kv_cache_shape}")
+    n_seq, next_n, n_heads, width = q_shape
+    n_pages, page_kv, _, token_bytes = kv_cache_shape
+    groups = q_sf_shape[3]
+    if len(table_shape) != 2 or table_shape[0] != n_seq or table_shape[1] < 1:
+        raise ValueError(f"paged mqa_logits kernels: block_table must be [B={n_seq}, >= 1 slots], got {table_shape}")
+    if tuple(q_sf_shape[:2]) != (n_seq, next_n):
+        raise ValueError(f"paged mqa_logits kernels: q_sf must be [B={n_seq},N={next_n},H,D/32], got {q_sf_shape}")
+    rows, capacity = n_seq * next_n, table_shape[1] * page_kv
+    # the contiguous kernels' limits, with the table's capacity as the key count
+    check_mqa_shapes((rows, n_heads, width), (rows, *q_sf_shape[2:]), (capacity, width), (capacity, groups),
+                     w_shape, n_cols, fmt)
+    if tuple(kv_cache_shape[2:]) != (1, width + groups) or page_kv < PAGE_MIN or page_kv & (page_kv - 1):
+        raise ValueError(f"paged mqa_logits kernels: kv_cache must be [pages, page, 1, {width}+{groups}] with the page "
+                         f"a power of two >= {PAGE_MIN}, got {kv_cache_shape}")
+    if tuple(lens_shape) not in ((n_seq,), (n_seq, next_n)):
+        raise ValueError(f"paged mqa_logits kernels: context_lens must be [B={n_seq}] or [B,N={next_n}], "
+                         f"got {lens_shape}")
+    if n_seq * table_shape[1] >= KEYS_MAX or n_pages * page_kv * token_bytes // groups >= KEYS_MAX:
+        raise ValueError(f"paged mqa_logits kernels: need B * max_blocks and the cache's scale rows below {KEYS_MAX}, "
+                         f"got table {table_shape}, kv_cache {kv_cache_shape}")
+
+
+@nki.jit
+def paged_mqa_logits_kernel(q, q_sf, kv_cache, weights, context_lens, block_table, max_context_len, fmt):
+    """Dense indexer logits over a paged KV cache: each sequence's context positions through its block table.
+
+    Dimensions:
+        B sequences, N query tokens per sequence (next_n), R = B*N rows, H heads (1..128), D head dim
+        (a multiple of 32 up to 512), page size (a power of two >= 32), MB table slots per sequence,
+        L = max_context_len output columns (>= 1).
+
+    Args:
+        q: [B, N, H, Dq] uint8 e4m3fn bytes (fmt "fp8", Dq = D) or packed e2m1 (fmt "fp4", Dq = D/2), in HBM.
+        q_sf: [B, N, H, D/32] uint8 UE8M0 exponent bytes.
+        kv_cache: [pages, page, 1, Dq + D/32] uint8; page p is page * Dq code bytes (token-major), then
+            page * D/32 scale bytes (`paged_mqa_logits_ref`).
+        weights: [R, H] fp32 or bf16. context_lens: [B] int32 (row n of sequence b ends at
+            context_lens[b] - N + n + 1) or [B, N] int32 (row ends). block_table: [B, MB] int32.
+        max_context_len: L, compile-time int. fmt: "fp8" or "fp4", compile-time.
+
+    Returns:
+        [R, ceil(L/256)*256] bf16 in shared_hbm; columns [0, L) hold the logits (the rest is not
+        written): column j of row b*N + n is context position j of sequence b, the contiguous
+        kernel's score of the key in slot j % page of page block_table[b, j // page]; -inf from the
+        row's end on, and where the reference raises instead (a position past MB * page, a page id
+        in the context outside [0, pages)).
+
+    Notes:
+        As `mqa_logits_kernel`. The table itself is read by a masked gather: a key past the row's end
+        reads no table slot and no page, so slots past a context may hold anything (DeepGEMM's contract).
+
+    Pseudocode (per row r = b*N + n, per tile of 512 columns):
+        j = column; valid = j < end[r]; page = gather(block_table[b], j // page_size if valid else skip)
+        valid &= 0 <= page < pages; codes, scales = gather(kv_cache, page, j % page_size if valid else skip)
+        then as the contiguous kernel.
+    """
+    check_paged_shapes(q.shape, q_sf.shape, kv_cache.shape, weights.shape, context_lens.shape, block_table.shape,
+                       max_context_len, fmt)
+    out = nl.ndarray((q.shape[0] * q.shape[1], -(-max_context_len // ROW_ALIGN) * ROW_ALIGN), dtype=nl.bfloat16,
+                     buffer=nl.shared_hbm)
+    _paged_all_rows(out, q, q_sf, kv_cache, weights, context_lens, block_table, max_context_len, fmt, None, 0)
+    return out
+
+
+@nki.jit
+def paged_mqa_logits_sparse_kernel(q, q_sf, kv_cache, weights, context_lens, block_table, block_idx, block_size,
+                                   fmt):
+    """Indexer logits over each row's selected context blocks of a paged KV cache.
+
+    Args: as `paged_mqa_logits_kernel`, plus
+        block_idx: [R, NB] int32 in HBM, blocks of context positions; a negative entry is an empty block.
+        block_size: B_s, 8 or 16, compile-time.
+
+    Returns:
+        [R, ceil(NB*B_s/256)*256] bf16 in shared_hbm; column b*B_s + o (< NB*B_s) of row r is context
+        position block_idx[r, b]*B_s + o of the row's sequence with the dense paged score; -inf where the
+        block is empty, lies past the table's MB * page positions, or the position is at or past the
+        row's end (and where the dense paged kernel gives -inf).
+
+    Pseudocode: as the dense paged kernel with j = block_idx[r, c // B_s] * B_s + c % B_s for column c and
+    valid = block >= 0 and block <= MB * page / B_s and j < end[r].
+    """
+    if block_size not in BLOCK_SHIFT:
+        raise ValueError(f"paged_mqa_logits_sparse_kernel: block_size must be one of {tuple(BLOCK_SHIFT)}, "
+                         f"got {block_size}")
+    n_cols = block_idx.shape[1] * block_size
+    check_paged_shapes(q.shape, q_sf.shape, kv_cache.shape, weights.shape, context_lens.shape, block_table.shape,
+                       n_cols, fmt)
+    out = nl.ndarray((q.shape[0] * q.shape[1], -(-n_cols // ROW_ALIGN) * ROW_ALIGN), dtype=nl.bfloat16,
+                     buffer=nl.shared_hbm)
+    _paged_all_rows(out, q, q_sf, kv_cache, weights, context_lens, block_table, n_cols, fmt, block_idx, block_size)
+    return out
+
+
+def _paged_all_rows(out, q, q_sf, kv_cache, weights, context_lens, block_table, n_cols, fmt, block_idx, block_size):
+    """The paged kernels' body: q and q_sf flattened to rows, the cache viewed as code and scale rows."""
+    n_seq, next_n, n_heads, width = q.shape
+    n_pages, page_kv, _, token_bytes = kv_cache.shape
+    groups = q_sf.shape[3]
+    cache_bytes = n_pages * page_kv * token_bytes
+    # a page of page_kv tokens is page_kv * token_bytes / width code rows (a whole number: PAGE_MIN) or
+    # page_kv * token_bytes / groups scale rows; the page's scales start page_kv * width / groups rows in
+    source = _Paged(kv_cache.reshape((cache_bytes // width, width)), kv_cache.reshape((cache_bytes // groups, groups)),
+                    context_lens, block_table, next_n, page_kv, n_pages)
+    rows = n_seq * next_n
+    _all_rows(out, q.reshape((rows, n_heads, width)), q_sf.reshape((rows, n_heads, groups)), weights, n_cols, fmt,
+              source, block_idx, block_size)
+
+
+class _Contiguous(NamedTuple):
+    """Keys of the contiguous ops: codes kv [T, Dq] and scales kv_sf [T, D/32], one row per key, and
+    each query row's range [ks, ke) (int32 [S] in HBM)."""
+
+    kv: object
+    kv_sf: object
+    ks: object
+    ke: object
+
+
+class _Paged(NamedTuple):
+    """Keys of the paged ops: the cache viewed as code rows kv [pages * R, Dq] and scale rows
+    kv_sf [pages * R', D/32] (R, R' rows per page; see `_paged_all_rows`), the context lengths and block
+    table (int32 in HBM), next_n query rows per sequence, the page size and the page count."""
+
+    kv: object
+    kv_sf: object
+    context_lens: object
+    block_table: object
+    next_n: int
+    page_kv: int
+    n_pages: int
+
+
+def _all_rows(out, q, q_sf, weights, n_cols, fmt, source, block_idx, block_size):
+    """Shared body: per query row, the dequantized query and then the key tiles of `source`
+    (a _Contiguous or a _Paged)."""
     n_rows, n_heads = q.shape[0], q.shape[1]
     dim = q_sf.shape[2] * SCALE_BLOCK
     chunks = -(-dim // P_MAX)
@@ -150,9 +298,12 @@ def _all_rows(out, q, q_sf, kv, kv_sf, weights, ks, ke, n_cols, fmt, block_idx, 
             nisa.nc_transpose(dst=psum[0][:width, :n_heads], data=q_deq[:, c * P_MAX:c * P_MAX + width])
             nisa.tensor_copy(dst=q_t[:width, c, :], src=psum[0][:width, :n_heads], engine=nisa.engine.scalar)
         w_col = _weights_column(weights, s)
-        bounds = _row_bounds(ks, ke, s, block_size)
+        if isinstance(source, _Contiguous):
+            bounds = _row_bounds(source.ks, source.ke, s, block_size)
+        else:
+            bounds = _paged_bounds(source, s, block_size)
         for t0 in range(0, n_cols, KEY_TILE):
-            _key_tile(out, s, t0, min(KEY_TILE, n_cols - t0), q_t, w_col, bounds, kv, kv_sf, fmt, block_idx,
+            _key_tile(out, s, t0, min(KEY_TILE, n_cols - t0), q_t, w_col, bounds, source, fmt, block_idx,
                       block_size, psum)
 
 
@@ -178,6 +329,19 @@ def _row_bounds(ks, ke, s, block_size):
     return _to_f32(ks_raw), _to_f32(_broadcast(ke, s)), phase
 
 
+def _paged_bounds(source, s, block_size):
+    """(0, end of row s's context, and 0 for the sparse op) broadcast to [128, 1] fp32: the end is
+    context_lens[b, n] for per-row lens, context_lens[b] - N + n + 1 for per-sequence lens (s = b*N + n)."""
+    zero = nl.ndarray((P_MAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=zero, value=0.0)
+    if len(source.context_lens.shape) == 2:
+        end = _to_f32(_broadcast(source.context_lens, s))
+    else:
+        end = _to_f32(_broadcast(source.context_lens, s // source.next_n))
+        nisa.tensor_scalar(dst=end, data=end, op0=nl.add, operand0=float(s % source.next_n + 1 - source.next_n))
+    return zero, end, (zero if block_size else None)
+
+
 def _broadcast(bound, s):
     """bound[s] (int32 in HBM) on every partition: a DMA whose partition stride is 0."""
     tile = nl.ndarray((P_MAX, 1), dtype=nl.int32, buffer=nl.sbuf)
@@ -191,8 +355,9 @@ def _to_f32(tile):
     return as_f32
 
 
-def _key_tile(out, s, t0, n, q_t, w_col, bounds, kv, kv_sf, fmt, block_idx, block_size, psum):
+def _key_tile(out, s, t0, n, q_t, w_col, bounds, source, fmt, block_idx, block_size, psum):
     """Columns [t0, t0 + n) of row s (n <= 512): gather, decode, score, mask, store."""
+    kv, kv_sf = source.kv, source.kv_sf
     n_heads = q_t.shape[2]
     dim = kv_sf.shape[1] * SCALE_BLOCK
     chunks = q_t.shape[1]
@@ -201,14 +366,18 @@ def _key_tile(out, s, t0, n, q_t, w_col, bounds, kv, kv_sf, fmt, block_idx, bloc
     valid_row = nl.ndarray((1, KEY_TILE), dtype=nl.float32, buffer=nl.sbuf)
     for u0 in range(0, n, P_MAX):
         nu = min(P_MAX, n - u0)
-        gidx, valid = _key_column(s, t0 + u0, nu, bounds, kv.shape[0], block_idx, block_size)
+        if isinstance(source, _Contiguous):
+            gidx, valid = _key_column(s, t0 + u0, nu, bounds, kv.shape[0], block_idx, block_size)
+            rows = (gidx, gidx)
+        else:
+            valid, rows = _paged_rows(s, t0 + u0, nu, bounds, source, block_idx, block_size)
         codes = nl.ndarray((nu, kv.shape[1]), dtype=nl.uint8, buffer=nl.sbuf)
         scales = nl.ndarray((nu, kv_sf.shape[1]), dtype=nl.uint8, buffer=nl.sbuf)
         # skipped (invalid) keys keep zero codes: finite scores that the -inf mask replaces
-        for tile, src in ((codes, kv), (scales, kv_sf)):
+        for tile, src, row in ((codes, kv, rows[0]), (scales, kv_sf, rows[1])):
             nisa.memset(dst=tile, value=0, engine=nisa.engine.gpsimd)
             nisa.dma_copy(dst=tile, src=src.ap(pattern=[[src.shape[1], nu], [1, src.shape[1]]], offset=0,
-                                               vector_offset=gidx, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+                                               vector_offset=row, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
         keys = nl.ndarray((nu, dim), dtype=nl.bfloat16, buffer=nl.sbuf)
         _dequantize(keys, codes, scales, fmt)
         for c in range(chunks):
@@ -268,13 +437,55 @@ def _key_column(s, j0, nu, bounds, n_kv, block_idx, block_size):
     else:
         nisa.scalar_tensor_tensor(dst=valid, data=key, op0=nl.less, operand0=ke_f[:nu], op1=nl.multiply,
                                   operand1=valid)
-    # invalid -> exactly n_kv (past the end: the gather skips it); (key - T) * 0 is 0 for any key
-    shifted = nl.ndarray((nu, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(dst=shifted, data=key, op0=nl.add, operand0=float(-n_kv), op1=nl.multiply,
+    return _masked_index(key, valid, 0, n_kv), valid
+
+
+def _masked_index(value, valid, offset, end):
+    """int32 [nu, 1]: value + offset where valid, else exactly `end` (past the end: a gather skips it);
+    (value + offset - end) * 0 is 0 for any finite value, so a garbage value cannot leak through."""
+    shifted = nl.ndarray(valid.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=shifted, data=value, op0=nl.add, operand0=float(offset - end), op1=nl.multiply,
                               operand1=valid)
-    gidx = nl.ndarray((nu, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=gidx, data=shifted, op0=nl.add, operand0=float(n_kv))
-    return gidx, valid
+    index = nl.ndarray(valid.shape, dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=index, data=shifted, op0=nl.add, operand0=float(end))
+    return index
+
+
+def _paged_rows(s, j0, nu, bounds, source, block_idx, block_size):
+    """Keys of columns j0 .. j0+nu-1 of row s through the block table: (validity fp32 [nu, 1] of 0/1,
+    (code row of source.kv, scale row of source.kv_sf) int32 [nu, 1], one past the rows for an invalid key)."""
+    n_seq, n_slots = source.block_table.shape
+    page_kv, n_pages = source.page_kv, source.n_pages
+    capacity = n_slots * page_kv
+    # context positions, exactly as contiguous keys with ks = 0 and ke = the row's end
+    pos, valid = _key_column(s, j0, nu, bounds, capacity, block_idx, block_size)
+    # a context longer than the table (the reference raises) must not run into the next sequence's slots
+    nisa.scalar_tensor_tensor(dst=valid, data=pos, op0=nl.less, operand0=float(capacity), op1=nl.multiply,
+                              operand1=valid)
+    slot = nl.ndarray((nu, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=slot, data=pos, op0=nl.right_shift, operand0=page_kv.bit_length() - 1)
+    within = nl.ndarray((nu, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=within, data=pos, op0=nl.bitwise_and, operand0=page_kv - 1)
+    # the table read itself is masked: an invalid key reads no slot, so slots past a context are never touched
+    entry = _masked_index(slot, valid, (s // source.next_n) * n_slots, n_seq * n_slots)
+    page = nl.ndarray((nu, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.memset(dst=page, value=0, engine=nisa.engine.gpsimd)
+    table = source.block_table.reshape((n_seq * n_slots, 1))
+    nisa.dma_copy(dst=page, src=table.ap(pattern=[[1, nu], [1, 1]], offset=0, vector_offset=entry, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip)
+    # a page id outside the cache (the reference raises) makes the key invalid rather than a wild read
+    nisa.scalar_tensor_tensor(dst=valid, data=page, op0=nl.greater_equal, operand0=0.0, op1=nl.multiply,
+                              operand1=valid)
+    nisa.scalar_tensor_tensor(dst=valid, data=page, op0=nl.less, operand0=float(n_pages), op1=nl.multiply,
+                              operand1=valid)
+    # codes of token t of page p: row p * (rows per page) + t; its scales follow the page's codes
+    rows = []
+    for src, first in ((source.kv, 0), (source.kv_sf, page_kv * source.kv.shape[1] // source.kv_sf.shape[1])):
+        row = nl.ndarray((nu, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=row, data=page, op0=nl.multiply, operand0=float(src.shape[0] // n_pages),
+                                  op1=nl.add, operand1=within)
+        rows.append(_masked_index(row, valid, first, src.shape[0]))
+    return valid, tuple(rows)
 
 
 def _dequantize(dst, codes, scales, fmt):

@@ -7,8 +7,10 @@ eager expression (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py Indexer.for
 (seeds/003, module docstring): ks-relative dense columns, block-mapped sparse columns, -inf outside
 the row's range, bf16 rows on 512-byte boundaries.
 
-Paged variants (a block table over a paged KV cache) are not provided: the runtime keeps no paged
-cache, so nothing would call them.
+`paged_mqa_logits_ref` and `paged_mqa_logits_sparse_ref` score the same keys read through a block
+table from a paged cache (seeds/003, paged section; DeepGEMM tests/test_attention.py
+ref_fp8_paged_mqa_logits): one row per query token of each sequence, one column per context
+position. They are references only; the runtime keeps no paged cache yet, so no op calls them.
 """
 
 from __future__ import annotations
@@ -124,13 +126,14 @@ def check_mqa_operands(op: str, q: torch.Tensor, q_sf: torch.Tensor, kv: torch.T
             raise ValueError(f"{op}: {name} must be int32 [S={n_rows}], got {bound.dtype} {tuple(bound.shape)}")
 
 
-def check_mqa_logits_sparse_extra(block_idx: torch.Tensor, block_size: int, n_rows: int) -> None:
-    """Shape and dtype contract of the sparse variant's block list; raises ValueError."""
+def check_mqa_logits_sparse_extra(block_idx: torch.Tensor, block_size: int, n_rows: int,
+                                  op: str = "mqa_logits_sparse") -> None:
+    """Shape and dtype contract of the sparse variants' block list (n_rows query rows); raises ValueError."""
     if block_size not in SPARSE_BLOCK_SIZES:
-        raise ValueError(f"mqa_logits_sparse: block_size must be one of {SPARSE_BLOCK_SIZES}, got {block_size}")
+        raise ValueError(f"{op}: block_size must be one of {SPARSE_BLOCK_SIZES}, got {block_size}")
     if block_idx.dtype != torch.int32 or block_idx.dim() != 2 or block_idx.shape[0] != n_rows:
         raise ValueError(
-            f"mqa_logits_sparse: block_idx must be int32 [S={n_rows},NB], "
+            f"{op}: block_idx must be int32 [S={n_rows},NB], "
             f"got {block_idx.dtype} {tuple(block_idx.shape)}"
         )
 
@@ -248,3 +251,172 @@ def mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor,
     keys = blocks * block_size + ks64 % block_size + offset
     valid = (blocks >= 0) & (keys >= ks64) & (keys < ke64)
     return _logits_at(q, q_sf, kv, kv_sf, weights, keys, valid)
+
+
+# --------------------------------------------------------------------------- paged KV cache
+
+def check_paged_operands(op: str, q: torch.Tensor, q_sf: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor) -> None:
+    """Shape and dtype contract shared by the paged references (works on fake tensors).
+
+    Raises ValueError naming the argument, the expected and the received shape or dtype.
+    """
+    if q.dim() != 4 or q.shape[1] < 1:
+        raise ValueError(f"{op}: q must be [B,N,H,D] (fp8) or [B,N,H,D/2] (packed fp4) with N >= 1 query tokens "
+                         f"per sequence, got {tuple(q.shape)}")
+    fmt = _operand_format(q, f"{op}: q")
+    n_seq, next_n, n_heads, width = q.shape
+    dim = width * (2 if fmt == "fp4" else 1)
+    if dim == 0 or dim % SCALE_BLOCK:
+        raise ValueError(f"{op}: head dim must be a positive multiple of {SCALE_BLOCK}, got {dim}")
+    groups = dim // SCALE_BLOCK
+    if q_sf.dtype not in _SCALE_DTYPES or tuple(q_sf.shape) != (n_seq, next_n, n_heads, groups):
+        raise ValueError(f"{op}: q_sf must be UE8M0 {_SCALE_DTYPES} {(n_seq, next_n, n_heads, groups)}, "
+                         f"got {q_sf.dtype} {tuple(q_sf.shape)}")
+    # one token is `width` data bytes plus `groups` scale bytes, stored in two runs per page
+    if (kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[1] < 1 or kv_cache.shape[2] != 1
+            or kv_cache.shape[3] != width + groups):
+        raise ValueError(f"{op}: kv_cache must be uint8 [pages, page_size >= 1, 1, {width}+{groups}] for {fmt} "
+                         f"D={dim}, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if weights.dtype not in _WEIGHT_DTYPES or tuple(weights.shape) != (n_seq * next_n, n_heads):
+        raise ValueError(f"{op}: weights must be fp32 or bf16 [B*N={n_seq * next_n},H={n_heads}], "
+                         f"got {weights.dtype} {tuple(weights.shape)}")
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) not in ((n_seq,), (n_seq, next_n)):
+        raise ValueError(f"{op}: context_lens must be int32 [B={n_seq}] or [B={n_seq},N={next_n}], "
+                         f"got {context_lens.dtype} {tuple(context_lens.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != n_seq:
+        raise ValueError(f"{op}: block_table must be int32 [B={n_seq},max_blocks], "
+                         f"got {block_table.dtype} {tuple(block_table.shape)}")
+
+
+def _row_ends(op: str, context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """int64 [B, N]: query token n of sequence b sees context positions < end[b, n]. Per-row lens
+    [B, N] are the ends; per-sequence lens [B] give DeepGEMM's causal rule ctx - N + n + 1."""
+    lens = context_lens.long()
+    if lens.dim() == 1:
+        ends = lens[:, None] - next_n + 1 + torch.arange(next_n)
+        if bool((ends[:, 0] < 0).any()):
+            b = int((ends[:, 0] < 0).nonzero()[0, 0])
+            raise ValueError(f"{op}: context_lens[{b}] = {int(lens[b])} is below next_n - 1 = {next_n - 1}; "
+                             f"query token n sees positions < context_len - next_n + n + 1")
+        return ends
+    if bool((lens < 0).any()):
+        b, n = (int(i) for i in (lens < 0).nonzero()[0])
+        raise ValueError(f"{op}: context_lens[{b}, {n}] = {int(lens[b, n])} is negative")
+    return lens
+
+
+def _gather_pages(op: str, kv_cache: torch.Tensor, width: int, block_table: torch.Tensor,
+                  ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pages each sequence's context covers, in table order, as token rows: (data uint8 [U*page, width],
+    scales uint8 [U*page, D/32], start int64 [B]: the row of sequence b's position 0).
+
+    Page p holds the bytes kv_cache[p] in row-major order: page_size * width data bytes (token-major),
+    then page_size * D/32 scale bytes (seeds/003, paged KV helpers). Only table slots below
+    ceil(max_n end[b, n] / page_size) are read (DeepGEMM's contract: slots past the context may hold
+    anything), and those must name a page of the cache.
+    """
+    n_pages, page_kv = kv_cache.shape[:2]
+    n_slots = block_table.shape[1]
+    seq_end = ends.amax(dim=1)
+    used = -(-seq_end // page_kv)
+    if bool((used > n_slots).any()):
+        b = int((used > n_slots).nonzero()[0, 0])
+        raise ValueError(f"{op}: sequence {b} has context {int(seq_end[b])} > max_blocks {n_slots} * page_size "
+                         f"{page_kv}: it needs {int(used[b])} block_table slots")
+    in_context = torch.arange(n_slots) < used[:, None]
+    pages = block_table[in_context].long()  # a masked read: the slots past each context are never touched
+    bad = (pages < 0) | (pages >= n_pages)
+    if bool(bad.any()):
+        b, slot = (int(i) for i in in_context.nonzero()[int(bad.nonzero()[0, 0])])
+        raise ValueError(f"{op}: block_table[{b}, {slot}] = {int(block_table[b, slot])} lies inside sequence {b}'s "
+                         f"context ({int(seq_end[b])} positions) but is not a page of kv_cache (0 <= id < {n_pages})")
+    page_bytes = kv_cache.reshape(n_pages, -1)[pages]
+    split, n_tokens = page_kv * width, pages.numel() * page_kv
+    data = page_bytes[:, :split].reshape(n_tokens, width)
+    scales = page_bytes[:, split:].reshape(n_tokens, kv_cache.shape[3] - width)
+    return data, scales, (torch.cumsum(used, 0) - used) * page_kv
+
+
+def _paged_logits_at(op: str, q: torch.Tensor, q_sf: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+    """bf16 logits [B*N, C] (512-byte rows): score of context position positions[r, c] of row r's
+    sequence where valid and below the row's end, -inf elsewhere."""
+    n_seq, next_n, n_heads, width = q.shape
+    ends = _row_ends(op, context_lens, next_n)
+    data, scales, start = _gather_pages(op, kv_cache, width, block_table, ends)
+    kv = data.view(torch.float8_e4m3fn) if q.dtype == torch.float8_e4m3fn else data
+    valid = valid & (positions < ends.reshape(-1, 1))
+    keys = start.repeat_interleave(next_n)[:, None] + positions  # _logits_at clamps the invalid ones
+    rows = n_seq * next_n
+    return _logits_at(q.reshape(rows, n_heads, width), q_sf.reshape(rows, n_heads, q_sf.shape[3]), kv, scales, weights,
+                      keys, valid)
+
+
+def paged_mqa_logits_ref(q: torch.Tensor, q_sf: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    """Dense MQA logits over a paged KV cache (decode: N query tokens per sequence), FP8 or FP4 operands.
+
+    Args:
+        q: [B, N, H, D] float8_e4m3fn, or [B, N, H, D/2] packed e2m1 (as `mqa_logits_ref`); N >= 1
+            query tokens per sequence (DeepGEMM next_n).
+        q_sf: [B, N, H, D/32] UE8M0 scales (float8_e8m0fnu or exponent bytes uint8).
+        kv_cache: [pages, page_size, 1, Dk + D/32] uint8, Dk = D (fp8) or D/2 (fp4): page p's bytes
+            kv_cache[p] (row-major) are page_size * Dk key bytes, token-major, then page_size * D/32
+            UE8M0 bytes, one per 32 elements (the seed's page layout [page_kv * data | page_kv * sf]).
+        weights: [B*N, H] fp32 or bf16; row b*N + n belongs to query token n of sequence b.
+        context_lens: [B] int32 (query token n sees positions < context_lens[b] - N + n + 1: DeepGEMM's
+            1-D causal rule) or [B, N] int32 (token n sees positions < context_lens[b, n]).
+        block_table: [B, max_blocks] int32; context position j of sequence b is token j % page_size
+            of page block_table[b, j // page_size]. Slots at or past ceil(context / page_size) (the
+            context being the largest end among the sequence's rows) are never read and may hold anything.
+        max_context_len: output columns (>= 0); positions from there on are not returned.
+
+    Returns:
+        [B*N, max_context_len] bf16, rows starting every 512 bytes. Column j of row b*N + n is context
+        position j of sequence b, scored as `mqa_logits_ref` scores a key; -inf from the row's end on.
+
+    Raises:
+        ValueError: on a shape or dtype outside the contract; on context_lens below N - 1 (1-D) or
+            negative (2-D); on a context longer than max_blocks * page_size; on a table slot inside a
+            context that names no page of the cache; on max_context_len < 0.
+
+    Sources: deepseek-ai/DeepGEMM:tests/test_attention.py (ref_fp8_paged_mqa_logits, the mask of
+    test_paged_mqa_logits) and seeds/003 (fp8_fp4_paged_mqa_logits).
+    """
+    op = "paged_mqa_logits"
+    check_paged_operands(op, q, q_sf, kv_cache, weights, context_lens, block_table)
+    if max_context_len < 0:
+        raise ValueError(f"{op}: max_context_len must be >= 0, got {max_context_len}")
+    positions = torch.arange(max_context_len, dtype=torch.int64).expand(q.shape[0] * q.shape[1], -1)
+    return _paged_logits_at(op, q, q_sf, kv_cache, weights, context_lens, block_table, positions,
+                            torch.ones_like(positions, dtype=torch.bool))
+
+
+def paged_mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                                context_lens: torch.Tensor, block_table: torch.Tensor, block_idx: torch.Tensor,
+                                block_size: int) -> torch.Tensor:
+    """MQA logits over selected context blocks of a paged KV cache, FP8 or FP4 operands.
+
+    Args: as `paged_mqa_logits_ref`, plus
+        block_idx: [B*N, NB] int32 selected blocks of context positions per row; negative entries are empty.
+        block_size: B_s, positions per selected block: 8 or 16.
+
+    Returns:
+        [B*N, NB * B_s] bf16, rows starting every 512 bytes. Column b*B_s + o of row r is context position
+        block_idx[r, b] * B_s + o of the row's sequence (blocks start at position 0: the seed's paged sparse
+        kernel, ks = 0), with the dense op's score; -inf where the block is empty or the position lies at
+        or past the row's end. Every entry of block_idx is read, as in `mqa_logits_sparse_ref`.
+
+    Raises:
+        ValueError: as `paged_mqa_logits_ref`, and on a block size or block_idx shape outside the contract.
+
+    Source: seeds/003 (fp8_fp4_paged_sparse_mqa_logits), on the paged layout of `paged_mqa_logits_ref`.
+    """
+    op = "paged_mqa_logits_sparse"
+    check_paged_operands(op, q, q_sf, kv_cache, weights, context_lens, block_table)
+    check_mqa_logits_sparse_extra(block_idx, block_size, q.shape[0] * q.shape[1], op)
+    blocks = block_idx.long().repeat_interleave(block_size, dim=1)
+    positions = blocks * block_size + torch.arange(block_size, dtype=torch.int64).repeat(block_idx.shape[1])
+    return _paged_logits_at(op, q, q_sf, kv_cache, weights, context_lens, block_table, positions, blocks >= 0)

@@ -1,7 +1,7 @@
 """dsneuron::mqa_logits_bf16 / mqa_logits / mqa_logits_sparse against float64 oracles, with the
 kernel_numerics.md Part C edge cases B1-B4 and B7-B10 (B4's compressed columns are this op's dense
-layout). Not here: B5-B6 (paged cache, next_n rules: no paged variants), B11 (the sm100 bf16 reduce
-is not a dsneuron op), B12 (Hadamard, V3.2/V4 only)."""
+layout). Not here: B5-B6 (paged cache, next_n rules: tests/test_mqa_logits_paged.py), B11 (the sm100
+bf16 reduce is not a dsneuron op), B12 (Hadamard, V3.2/V4 only)."""
 
 from __future__ import annotations
 
