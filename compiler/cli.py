@@ -12,6 +12,7 @@ long messages are not broken mid-line at rich's default of 80 columns.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -136,12 +137,16 @@ def compile_cmd(
                                                                     "(OpenSSF model-signing) before it is moved into place"),
     hlo_only: bool = typer.Option(False, "--hlo-only", metavar=FLAG, help="with --target neuron: stop at each bucket's "
                                   "XLA HLO module (needs torch-xla, not the Neuron SDK); the bundle is for neuronx-cc, not `run`"),
+    indexer: Optional[str] = typer.Option(None, "--indexer", help="indexer scores: official (the reference's bf16 "
+                                          "expression) or kernel (the FP4 MQA-logits op, the NKI kernel on neuron) "
+                                          "[default: the config's, official]"),
 ) -> None:
     """Compile every bucket of a config (or of a checkpoint folder) into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
     from dsneuron.compiler.config import checkpoint_config, load_config
+    from dsneuron.graphs.config import INDEXER_MODES
     from dsneuron.runtime_min.bundle import check_target
 
     if hlo_only:  # fail fast, before reading anything
@@ -169,6 +174,10 @@ def compile_cmd(
         model_cfg, compile_cfg = checkpoint_config(
             checkpoint, max_seq_len, _int_list(batch_sizes, "--batch-sizes"), _int_list(prefill_lens, "--prefill-lens"),
             _int_list(decode_lens, "--decode-lens"))
+    if indexer is not None:
+        if indexer not in INDEXER_MODES:
+            raise UserError(f"--indexer: must be one of {', '.join(INDEXER_MODES)} (got {indexer!r})")
+        compile_cfg = dataclasses.replace(compile_cfg, indexer=indexer)
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)

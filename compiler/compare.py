@@ -25,8 +25,8 @@ the golden's stage on the BUNDLE's recorded input (the compiled executable canno
 mid-graph, the golden can), compared with the bundle's output: the hyper-connection mixes, the
 attention of every layer (at a decode step on the state the bundle's step was given), the MoE, and
 the head. The re-run uses the bundle's declared GEMM order (the manifest's compiler.gemm_order:
-"kernel" on cpu, the cpu kernels themselves; "fused" on neuron), so a local error is what the
-compiler did beyond that named deviation. A local error of
+"kernel" on cpu, the cpu kernels themselves; "fused" on neuron) and its indexer mode (the manifest's
+compiler.indexer), so a local error is what the compiler did beyond those named deviations. A local error of
 0-2 ulps with accumulated error growing along the layers is amplification, not a wrong stage; a
 stage that re-quantises inside (MoE: the SwiGLU output to FP8 before w2) can turn one bf16 step of
 an fp32 difference into a larger local error at a few elements, which the "> 2 ulp" share counts.
@@ -270,7 +270,7 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
     """Both levels of the comparison for one teacher-forced sequence: prefill seq[:n_prompt], then one
     decode step per remaining id. session: runtime_min Session; golden: graphs.golden.Golden on the
     bundle's checkpoint. Raises UserError as Session.teacher_forced (prompt or sequence too long)."""
-    from dsneuron.graphs.model import gemm_order, nudged_embedding
+    from dsneuron.graphs.model import gemm_order, indexer_mode, nudged_embedding
 
     got = session.teacher_forced(seq, n_prompt)
     probes = bool(got[0].probes)
@@ -300,7 +300,8 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
         order = session.manifest.compiler.get("gemm_order", "fused")
         if order == "kernel":
             golden.attach_kernel_weights()
-        with torch.inference_mode(), gemm_order(order):
+        indexer = session.manifest.compiler.get("indexer", "official")
+        with torch.inference_mode(), gemm_order(order), indexer_mode(indexer):
             if prefill:
                 at = {"prefill_len": n_prompt, "engram_ids": engram_ids[:, :n_prompt]}
             else:

@@ -301,7 +301,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         manifest = Manifest(
             target=target, toolchain=backend.toolchain,
             compiler={**backend.compiler_record(dict(sorted(custom_ops.items())), facts),
-                      **({"gemm_order": parts.steps.order} if hasattr(parts.steps, "order") else {})},
+                      **({"gemm_order": parts.steps.order} if hasattr(parts.steps, "order") else {}),
+                      **({"indexer": parts.steps.indexer} if hasattr(parts.steps, "indexer") else {})},
             model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
             tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
                                 bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsneuron.graphs.config import ConfigError, ModelConfig, _coerce, check_keys
+from dsneuron.graphs.config import INDEXER_MODES, ConfigError, ModelConfig, _coerce, check_keys
 
 PACKAGED = Path(__file__).parent / "configs"
 
@@ -29,6 +29,10 @@ class CompileConfig:
     decode_context_lens: decode bucket context capacities (<= max_seq_len); [] means generated like
         prefill_seq_lens. compiler/buckets.py validates both lists against the kernel constraints.
     checkpoint: a checkpoint folder; null makes the deterministic random one with `seed`.
+    indexer: how the indexer scores (graphs.config.INDEXER_MODES): "official" (the reference's bf16
+        expression, the default) or "kernel" (the FP4 MQA-logits op: the NKI kernel on neuron, its
+        torch reference on cpu; fp32 dots and head sum, so scores differ from the golden's by
+        bf16 roundings).
     """
 
     max_seq_len: int
@@ -37,6 +41,7 @@ class CompileConfig:
     decode_context_lens: tuple[int, ...]
     checkpoint: str | None = None
     seed: int = 0
+    indexer: str = "official"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
@@ -48,6 +53,10 @@ class CompileConfig:
             if name == "checkpoint":
                 if raw[name] is not None and not isinstance(raw[name], str):
                     raise ConfigError(f"{where}.checkpoint: expected a path string or null")
+                values[name] = raw[name]
+            elif name == "indexer":
+                if raw[name] not in INDEXER_MODES:
+                    raise ConfigError(f"{where}.indexer: must be one of {list(INDEXER_MODES)} (got {raw[name]!r})")
                 values[name] = raw[name]
             else:
                 values[name] = _coerce(raw[name], f.type, f"{where}.{name}")

@@ -33,25 +33,26 @@ class GraphsStepFactory:
     probes: every step also returns its captured stage tensors as outputs "probe.<stage>" (a probe
     bundle, for `dsneuron compare`; larger executables and outputs, same logits and state)."""
 
-    def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused"):
-        self.cfg, self.models, self.probes, self.order = cfg, models, probes, order
+    def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused",
+                 indexer: str = "official"):
+        self.cfg, self.models, self.probes, self.order, self.indexer = cfg, models, probes, order, indexer
 
     def fingerprint(self) -> str:
         """Changes whenever the model code, the kernels or the model config change."""
         # the NKI kernels (*_nki.py) and their stand-in (sim/) never enter a cpu graph
         src = source_digest(Path(dsneuron.graphs.__file__).parent, Path(dsneuron.kernels_nki.__file__).parent,
                             exclude=lambda rel: rel.name.endswith("_nki.py") or len(rel.parts) > 1)
-        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order], sort_keys=True)).encode()).hexdigest()
+        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order, self.indexer], sort_keys=True)).encode()).hexdigest()
 
     def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return steps.init_state(self.cfg, batch, capacity)
 
     def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
-        m = steps.PrefillStep(self.models[capacity], batch, seq_len, probes=self.probes)
+        m = steps.PrefillStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
         return StepGraph(m, tuple(zip(("tokens", "valid_len", "engram_ids"), m.example_inputs())), self._outputs(m))
 
     def decode(self, batch: int, capacity: int) -> StepGraph:
-        m = steps.DecodeStep(self.models[capacity], batch, probes=self.probes)
+        m = steps.DecodeStep(self.models[capacity], batch, probes=self.probes, indexer=self.indexer)
         names = ("tokens", "pos", "engram_ids", *m.state_names)
         return StepGraph(m, tuple(zip(names, m.example_inputs())), self._outputs(m))
 
@@ -68,7 +69,7 @@ class GraphsStepFactory:
         half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
         so that one executable of each serves every bucket of the batch size."""
         model = self.models[capacity]
-        built = stages.build_stages(model, kind, batch, capacity, order=self.order)
+        built = stages.build_stages(model, kind, batch, capacity, order=self.order, indexer=self.indexer)
         if self.probes:
             stages.with_probes(built)
         S = seq_len if kind == "prefill" else 1
@@ -150,6 +151,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     taken.update({n: b for n, b in first.named_buffers() if n.endswith(("kernel_w", "kernel_w_scale"))})
     stored = {n: held[n] for r in recipes for n in (*r.weights, *r.scales)}
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
-    return ModelParts(GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused"), {**taken, **stored},
+    factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer)
+    return ModelParts(factory, {**taken, **stored},
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
                       stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dsneuron.kernels_nki.neuron_adapters import NkiBinding, call_sparse_attn
+from dsneuron.kernels_nki.neuron_adapters import NkiBinding, call_mqa_logits, call_sparse_attn
 
 from dsneuron.runtime_min.schema import BundleError
 
@@ -39,10 +39,11 @@ from .buckets import PlannedBucket
 from .export import CompileError
 
 #: The NKI ops the model graphs call, each answered by a torch function with its kernel's calling
-#: convention (sparse_attn_ref takes the padded slot table the adapter builds, as the kernel does).
-#: The MQA-logits kernels are not called by any graph yet (their ops are inlined where used).
+#: convention (sparse_attn_ref takes the padded slot table the adapter builds, as the kernel does;
+#: dsneuron::mqa_logits is called by the indexer in mode "kernel").
 REFERENCE_KERNELS: dict[str, NkiBinding] = {
     "dsneuron::sparse_attn": NkiBinding("dsneuron.kernels_nki.sparse_attn_ref:sparse_attn_ref", call_sparse_attn),
+    "dsneuron::mqa_logits": NkiBinding("dsneuron.kernels_nki.mqa_logits_ref:mqa_logits_kernel_ref", call_mqa_logits),
 }
 
 def require_torch_xla() -> Any:

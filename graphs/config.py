@@ -21,6 +21,11 @@ from dsneuron import UserError
 MAX_VOCAB_SIZE = 2**31
 
 
+#: how the indexer scores (graphs.model `_Numerics.indexer`): the reference's bf16 expression, or
+#: the FP4 MQA-logits op on the operands' bytes
+INDEXER_MODES = ("official", "kernel")
+
+
 class ConfigError(UserError, ValueError):
     """A config key is unknown, missing, of the wrong type or inconsistent with another key.
 

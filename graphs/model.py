@@ -69,9 +69,9 @@ from torch import nn
 import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_float, ue8m0_to_float
 
-from .config import ModelConfig
+from .config import INDEXER_MODES, ModelConfig
 from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear,
-                    fp4_act_quant_qdq, fp8_linear, linear_fp32)
+                    fp4_act_quant_qdq, fp4_operand_bytes, fp8_linear, linear_fp32)
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -88,6 +88,10 @@ class _Numerics:
     """
 
     gemm_order: str = "ascending"
+    #: how the indexer scores (`INDEXER_MODES`): "official" is the reference's bf16 expression on the
+    #: FP4-QDQ'd values (`mqa_logits_bf16`); "kernel" is the FP4 MQA-logits op on their bytes
+    #: (`mqa_logits`: fp32 dots and head sum, one bf16 rounding), the NKI kernel on neuron
+    indexer: str = "official"
     #: move every element of the embedding output one bf16 step up: the smallest perturbation there
     #: is, used to measure how far one rounding difference carries (the comparison's second floor)
     nudge_embedding: bool = False
@@ -111,6 +115,20 @@ def gemm_order(order: str):
         yield
     finally:
         NUMERICS.gemm_order = prev
+
+
+@contextmanager
+def indexer_mode(mode: str):
+    """Run (or trace) the model with the indexer scoring in `mode` (`_Numerics.indexer`).
+    Raises ValueError for a mode not in INDEXER_MODES."""
+    if mode not in INDEXER_MODES:
+        raise ValueError(f"indexer_mode: mode must be one of {INDEXER_MODES}, got {mode!r}")
+    prev = NUMERICS.indexer
+    NUMERICS.indexer = mode
+    try:
+        yield
+    finally:
+        NUMERICS.indexer = prev
 
 
 @contextmanager
@@ -509,7 +527,30 @@ class Indexer(nn.Module):
         q = with_rope_tail(q, cfg.rope_head_dim, cos, sin)
         q = fp4_qdq(q, 32, "ue8m0")
         w = self.weights_proj(x) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
+        if NUMERICS.indexer == "kernel":
+            return fp4_index_scores(q, index_k, w)
         return torch.ops.dsneuron.mqa_logits_bf16(q, index_k, w)
+
+
+def fp4_index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores through the FP4 MQA-logits op (indexer mode "kernel").
+
+    q: [B,S,H,D] and index_k: [B,T,D], bf16 holding FP4-QDQ'd values (e2m1 times a UE8M0 scale per
+    32 elements); w: [B,S,H] bf16 head weights. Returns bf16 [B,S,T]: bf16(sum_h relu(q_h . k) * w_h)
+    with the dot products and the head sum in fp32 (`torch.ops.dsneuron.mqa_logits`), where the
+    official expression rounds each head's dot and product to bf16 (`mqa_logits_bf16`). The operands
+    are re-encoded as the bytes that hold them (`quant.fp4_operand_bytes`, exact); the batch becomes one
+    row list over the batch's keys, each row's range [b*T, b*T + T) its own sequence's.
+    Source: seeds/003 fp8_fp4_mqa_logits (DeepGEMM); DeepSeek-V4.1-Flash:inference/model.py Indexer.
+    """
+    B, S, H, _ = q.shape
+    T = index_k.shape[1]
+    q_codes, q_sf = fp4_operand_bytes(q)
+    k_codes, k_sf = fp4_operand_bytes(index_k)
+    starts = (torch.arange(B * S, device=q.device) // S * T).to(torch.int32)
+    logits = torch.ops.dsneuron.mqa_logits(q_codes.flatten(0, 1), q_sf.flatten(0, 1), k_codes.flatten(0, 1),
+                                           k_sf.flatten(0, 1), w.flatten(0, 1), starts, starts + T, T)
+    return logits.unflatten(0, (B, S))
 
 
 def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ from dsneuron.kernels_nki.formats import (
     float_to_ue8m0,
     fp4_codes_to_float,
     pack_fp4,
+    pack_fp4_bytes,
     pow2,
     signbit,
     ue8m0_to_float,
@@ -255,6 +256,24 @@ def fp4_act_quant_qdq(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0"
     """
     v, s = _fp4_scaled(x, block, scale_fmt, "fp4_act_quant_qdq")
     return (_e2m1_round(v) * s).flatten(-2).to(x.dtype)
+
+
+def fp4_operand_bytes(v: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4-QDQ'd values as the operand bytes of the FP4 MQA-logits op.
+
+    v: [..., K] fp32/bf16, the output of `fp4_act_quant_qdq(x, block, "ue8m0")` (every block of
+    `block` elements is e2m1 values times one power of two). Returns (packed e2m1 uint8 [..., K/2],
+    even element in the low nibble; UE8M0 exponent bytes uint8 [..., K/block]) that decode to v
+    exactly, -0.0 included: `fp4_quantize` is idempotent on its own output, since amax * fp32(1/6)
+    of a QDQ'd block rounds to the block's own power of two (tests/test_indexer_kernel.py checks
+    every code at every scale). The byte is the scale's biased exponent, log2 of an exact power of
+    two, rounded (no bit view, so the xla spelling runs it too).
+    Raises ValueError as `fp4_quantize`.
+    Source: the operand format of DeepGEMM fp8_fp4_mqa_logits (seeds/003, module docstring).
+    """
+    codes, s = fp4_quantize(v, block, "ue8m0")
+    exponent = torch.log2(s).round().to(torch.int32) + 127
+    return pack_fp4_bytes(codes), exponent.to(torch.uint8)
 
 
 def fp4_quantize_rtz(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

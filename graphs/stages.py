@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, step_inputs
+from .model import Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, indexer_mode, step_inputs
 from .steps import init_state, state_layout
 
 DATA = {"prefill": ("tokens", "valid_len"), "decode": ("tokens", "pos")}
@@ -137,9 +137,11 @@ class _Captures(nn.Module):
     probe_names: tuple[str, ...] | None = None
     #: the GEMM order the stage runs or traces with (graphs.model.gemm_order)
     order: str = "ascending"
+    #: the indexer mode it runs or traces with (graphs.model.indexer_mode)
+    indexer: str = "official"
 
     def forward(self, *inputs: torch.Tensor):
-        with gemm_order(self.order):
+        with gemm_order(self.order), indexer_mode(self.indexer):
             return self.run(*inputs)
 
     def _capture(self) -> Capture | None:
@@ -267,10 +269,11 @@ def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
     return env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
 
 
-def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending") -> list[Stage]:
+def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending",
+                 indexer: str = "official") -> list[Stage]:
     """The stages of a prefill or decode step of `model` at (batch, capacity), in run order, each
     running with GEMM order `order` (the golden's "ascending" by default; the compiled steps trace
-    theirs). Raises ValueError for an unknown step."""
+    theirs) and indexer mode `indexer`. Raises ValueError for an unknown step."""
     if step not in DATA:
         raise ValueError(f"build_stages: step must be prefill or decode, got {step!r}")
     cfg = model.cfg
@@ -286,7 +289,7 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
                             per_token=True))
     stages.append(Stage("head", "head", HeadStage(model), ("h", "pre_mix", "last"), ("logits",), per_token=True))
     for st in stages:
-        st.module.order = order
+        st.module.order, st.module.indexer = order, indexer
     return stages
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Capture, Transformer, gemm_order
+from .model import Capture, Transformer, gemm_order, indexer_mode
 
 
 def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -123,15 +123,18 @@ class PrefillStep(_Probes, nn.Module):
 
     order: the K-block order of every block-scaled GEMM (graphs.model.gemm_order); "fused" by
     default, one GEMM node per projection, which keeps the graph (and its compile time) small.
+    indexer: the indexer mode (graphs.model.indexer_mode), "official" by default.
     probes: also return every captured stage tensor (see _Probes).
 
     forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])
         -> (logits fp32 [B,V], *state tensors in state_layout order)
     """
 
-    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False):
+    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False,
+                 indexer: str = "official"):
         super().__init__()
         self.model, self.batch, self.seq_len, self.order, self.probes = model, batch, seq_len, order, probes
+        self.indexer = indexer
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -141,21 +144,22 @@ class PrefillStep(_Probes, nn.Module):
                 torch.zeros(B, S, E, C, dtype=torch.int64))
 
     def _run(self, tokens, valid_len, engram_ids, capture: Capture | None = None):
-        with gemm_order(self.order):
+        with gemm_order(self.order), indexer_mode(self.indexer):
             return prefill(self.model, tokens, valid_len, engram_ids, capture)
 
 
 class DecodeStep(_Probes, nn.Module):
     """Exportable decode of one token per row at a fixed batch and the model's context capacity
-    (order as in PrefillStep).
+    (order and indexer as in PrefillStep).
 
     forward(tokens int64 [B,1], pos int64 [B], engram_ids int64 [B,1,E,C], *state)
         -> (logits fp32 [B,V], *state')
     """
 
-    def __init__(self, model: Transformer, batch: int, order: str = "fused", probes: bool = False):
+    def __init__(self, model: Transformer, batch: int, order: str = "fused", probes: bool = False,
+                 indexer: str = "official"):
         super().__init__()
-        self.model, self.batch, self.order, self.probes = model, batch, order, probes
+        self.model, self.batch, self.order, self.probes, self.indexer = model, batch, order, probes, indexer
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -166,5 +170,5 @@ class DecodeStep(_Probes, nn.Module):
                 torch.zeros(B, 1, E, C, dtype=torch.int64), *[state[n] for n in self.state_names])
 
     def _run(self, tokens, pos, engram_ids, *state_tensors, capture: Capture | None = None):
-        with gemm_order(self.order):
+        with gemm_order(self.order), indexer_mode(self.indexer):
             return decode(self.model, tokens, pos, engram_ids, dict(zip(self.state_names, state_tensors)), capture)

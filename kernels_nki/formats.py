@@ -142,17 +142,21 @@ def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Pack e2m1 codes [..., K] (integer dtype, values 0..15, K even) into int8 [..., K/2].
+def pack_fp4_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """Pack e2m1 codes [..., K] (integer dtype, values 0..15, K even) into uint8 [..., K/2].
 
-    Byte i holds code 2i in its low nibble and code 2i+1 in its high nibble.
-    Raises ValueError when K is odd.
+    Byte i holds code 2i in its low nibble and code 2i+1 in its high nibble. No bit view, so it
+    runs under the xla spelling too. Raises ValueError when K is odd.
     """
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4: last dim must be even, got {codes.shape[-1]}")
     c = codes.to(torch.int32) & 0xF
-    byte = c[..., 0::2] | (c[..., 1::2] << 4)
-    return byte.to(torch.uint8).view(torch.int8)
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """`pack_fp4_bytes` as int8 [..., K/2], the dtype DeepGEMM passes packed e2m1 pairs in."""
+    return pack_fp4_bytes(codes).view(torch.int8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

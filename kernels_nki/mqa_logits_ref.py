@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from dsneuron.kernels_nki.formats import PACKED_FP4_DTYPES, SCALE_BLOCK, dequantize_e2m1, dequantize_e4m3
+from dsneuron.kernels_nki.formats import (PACKED_FP4_DTYPES, SCALE_BLOCK, dequantize_e2m1, dequantize_e4m3, e4m3_to_float,
+                                         ue8m0_to_float)
 
 #: Logits rows start on 512-byte boundaries (the seed's get_logits_stride): 256 bf16 columns.
 ROW_ALIGN_ELEMS = 512 // torch.bfloat16.itemsize
@@ -167,25 +168,32 @@ def _logits_at(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: tor
     n_rows, n_heads = q.shape[:2]
     n_kv, n_cols = kv.shape[0], keys.shape[1]
     if n_kv == 0 or n_rows * n_cols == 0:
-        logits = torch.full((n_rows, n_cols), -math.inf, dtype=torch.bfloat16)
+        logits = torch.full((n_rows, n_cols), -math.inf, dtype=torch.bfloat16, device=q.device)
     else:
         qf = _dequantize(q, q_sf)  # exact in fp32 (e4m3/e2m1 times a power of two)
         kf = _dequantize(kv, kv_sf)
         wf = weights.float()
         safe = keys.clamp(0, n_kv - 1)
-        step = max(1, _CHUNK_BYTES // (8 * n_heads * n_kv))
-        parts = []
-        for r0 in range(0, n_rows, step):
-            # every key of the row is scored, then the wanted ones are picked: the [rows, T] scores
-            # are small at the model's shapes, and torch.where keeps NaN/inf of unpicked keys out
-            head = torch.einsum("shd,td->sht", qf[r0:r0 + step], kf)
-            score = (head.relu() * wf[r0:r0 + step].unsqueeze(-1)).sum(dim=1)
-            picked = score.gather(1, safe[r0:r0 + step])
-            parts.append(torch.where(valid[r0:r0 + step], picked, -math.inf).to(torch.bfloat16))
-        logits = torch.cat(parts)
+        if torch.compiler.is_compiling():
+            # traced (the cpu lowering inlines this reference): one chunk, since a loop over a
+            # dynamic row count cannot be traced, and the compiler plans the memory anyway
+            logits = _score_rows(qf, kf, wf, safe, valid)
+        else:  # eager: chunks of rows bound the [rows, H, T] scores
+            step = max(1, _CHUNK_BYTES // (8 * n_heads * n_kv))
+            logits = torch.cat([_score_rows(qf[r0:r0 + step], kf, wf[r0:r0 + step], safe[r0:r0 + step],
+                                            valid[r0:r0 + step]) for r0 in range(0, n_rows, step)])
     # rows padded to the aligned stride, then viewed back to n_cols: the seed's 512-byte rows
     (_, width), (stride, _) = logits_layout(n_rows, n_cols)
     return torch.nn.functional.pad(logits, (0, stride - width))[:, :width]
+
+
+def _score_rows(qf: torch.Tensor, kf: torch.Tensor, wf: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """bf16 [R, C]: fp32 scores of rows qf [R,H,D] against every key kf [T,D], then the wanted keys
+    [R, C] picked (the [R, T] scores are small at the model's shapes), -inf where not valid:
+    torch.where keeps NaN/inf of unpicked keys out."""
+    head = torch.einsum("shd,td->sht", qf, kf)
+    score = (head.relu() * wf.unsqueeze(-1)).sum(dim=1)
+    return torch.where(valid, score.gather(1, keys), -math.inf).to(torch.bfloat16)
 
 
 def mqa_logits_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
@@ -217,8 +225,32 @@ def mqa_logits_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf:
         raise ValueError(f"mqa_logits: max_seqlen_k must be >= 0, got {max_seqlen_k}")
     check_ranges("mqa_logits", ks, ke, kv.shape[0])
     ks64, ke64 = ks.long().unsqueeze(1), ke.long().unsqueeze(1)
-    keys = ks64 + torch.arange(max_seqlen_k, dtype=torch.int64)
+    keys = ks64 + torch.arange(max_seqlen_k, dtype=torch.int64, device=ks.device)
     return _logits_at(q, q_sf, kv, kv_sf, weights, keys, keys < ke64)
+
+
+def mqa_logits_kernel_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                          weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int,
+                          fmt: str) -> torch.Tensor:
+    """`mqa_logits_ref` in the calling convention of `mqa_logits_nki.mqa_logits_kernel`: operands as
+    bytes (q, kv uint8 e4m3fn codes for fmt "fp8" or packed e2m1 for "fp4"; scales uint8 UE8M0
+    exponents), the same bf16 [S, max_seqlen_k] logits on the operands' device. For the XLA check
+    (compiler/xla_check.py REFERENCE_KERNELS), where it takes the kernel's place behind the real
+    adapter; the ranges are not value-checked (that would be a host sync), as in the kernel.
+    Raises ValueError for a fmt other than "fp8" / "fp4"."""
+    if fmt == "fp8":
+        qf = e4m3_to_float(q).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(q_sf).unsqueeze(-1)
+        kf = e4m3_to_float(kv).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(kv_sf).unsqueeze(-1)
+        qf, kf = qf.flatten(-2), kf.flatten(-2)
+    elif fmt == "fp4":
+        qf, kf = dequantize_e2m1(q, q_sf), dequantize_e2m1(kv, kv_sf)
+    else:
+        raise ValueError(f"mqa_logits_kernel_ref: fmt must be fp8 or fp4, got {fmt!r}")
+    keys = ks.long().unsqueeze(1) + torch.arange(max_seqlen_k, dtype=torch.int64, device=ks.device)
+    valid = keys < ke.long().unsqueeze(1)
+    logits = _score_rows(qf, kf, weights.float(), keys.clamp(0, max(kv.shape[0] - 1, 0)), valid)
+    (_, width), (stride, _) = logits_layout(q.shape[0], max_seqlen_k)
+    return torch.nn.functional.pad(logits, (0, stride - width))[:, :width]
 
 
 def mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,

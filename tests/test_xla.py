@@ -23,6 +23,7 @@ logits' cosine far outside its bound, or leaves a state all zeros.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -39,6 +40,7 @@ from dsneuron.compiler import xla_check  # noqa: E402
 from dsneuron.compiler.buckets import plan_buckets  # noqa: E402
 from dsneuron.compiler.compile import build_steps_for_config  # noqa: E402
 from dsneuron.compiler.config import load_config  # noqa: E402
+from dsneuron.compiler.lower import custom_ops_in  # noqa: E402
 from dsneuron.graphs.quant import ue8m0_scale  # noqa: E402
 from dsneuron.kernels_nki.formats import copysign, e4m3_round, e4m3_to_float, ue8m0_to_float, xla_spelling  # noqa: E402
 
@@ -87,6 +89,25 @@ def micro_parts(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("pb", _MICRO_BUCKETS, ids=[b.label.replace(" ", "_") for b in _MICRO_BUCKETS])
 def test_micro_bucket_lowers_to_static_hlo_and_matches_eager_on_xla_cpu(micro_parts, pb, tmp_path):
     _check(micro_parts, _MICRO[0], _MICRO_BUCKETS, pb, tmp_path)
+
+
+_SMALLEST = [min((b for b in _MICRO_BUCKETS if b.kind == kind), key=lambda b: (b.batch, b.seq_len, b.capacity))
+             for kind in ("prefill", "decode")]
+
+
+@pytest.mark.parametrize("pb", _SMALLEST, ids=[b.label.replace(" ", "_") for b in _SMALLEST])
+def test_micro_bucket_with_the_kernel_indexer_calls_mqa_logits_and_matches_eager_on_xla_cpu(tmp_path_factory, pb, tmp_path):
+    """Indexer mode "kernel": the program a neuron compile builds calls dsneuron::mqa_logits (the op
+    backend_neuron binds to mqa_logits_kernel), which the check answers by the reference in the
+    kernel's calling convention behind the real adapter."""
+    from dsneuron.compiler.backend_hlo import HloBackend
+    from dsneuron.compiler.compile import _export
+
+    comp = dataclasses.replace(_MICRO[1], indexer="kernel")
+    parts = build_steps_for_config(_MICRO[0], comp, tmp_path_factory.mktemp("xla-micro-kernel"), target="neuron")
+    _, program = _export(parts, pb, HloBackend())
+    assert "dsneuron::mqa_logits" in custom_ops_in(program)
+    _check(parts, _MICRO[0], _MICRO_BUCKETS, pb, tmp_path)
 
 
 @pytest.mark.slow
