@@ -61,13 +61,16 @@ import dataclasses
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
 import time
 import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import safetensors
 import safetensors.torch
@@ -79,8 +82,10 @@ from dsneuron import UserError
 from dsneuron.disk import check_free, disk_full_is_an_error
 from dsneuron.kernels_nki.formats import float_to_ue8m0, ue8m0_to_float
 
+from . import safetensors_format as sf
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
+from .lazy import CHUNK_BYTES
 from .quant import act_quant, dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from .spec import TensorSpec, checkpoint_spec
 from .tokenizer import tokenizer_files
@@ -525,13 +530,16 @@ def _read_index(path: Path) -> dict[str, str]:
 
 
 def _scan(path: Path, weight_map: dict[str, str]
-          ) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], list[str], set[str]]:
+          ) -> tuple[dict[str, tuple[str, str, tuple[int, ...]]], list[str], set[str], dict[str, sf.Header]]:
     """Headers of every indexed shard: ({name: (shard, dtype, shape)}, problems with the shards,
-    the shards that are missing or unreadable). A shard's header is read whole before any of its
-    tensors count as found, so a corrupt shard contributes none."""
+    the shards that are missing or unreadable, {shard: its parsed header}). Reads each shard's
+    first 8 + N bytes only (`safetensors_format.read_header`), never tensor data. A shard's header
+    is checked whole (dtypes, shapes against data_offsets, offsets within the file) before any of
+    its tensors count as found, so a corrupt or truncated shard contributes none."""
     found: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     problems: list[str] = []
     unreadable: set[str] = set()
+    headers: dict[str, sf.Header] = {}
     for shard in sorted(set(weight_map.values())):
         f = path / shard
         listed = sorted(n for n, s in weight_map.items() if s == shard)
@@ -539,24 +547,22 @@ def _scan(path: Path, weight_map: dict[str, str]
             problems.append(f"{shard}: shard file missing ({len(listed)} tensors listed in the index)")
             unreadable.add(shard)
             continue
-        header: dict[str, tuple[str, tuple[int, ...]]] = {}
         try:
-            with safetensors.safe_open(str(f), "pt") as h:
-                for name in h.keys():
-                    sl = h.get_slice(name)
-                    header[name] = (sl.get_dtype(), tuple(sl.get_shape()))
-        except Exception as e:  # safetensors raises its own SafetensorError and OSError variants
+            header = sf.read_header(f)
+        except (sf.HeaderError, OSError) as e:
             problems.append(f"{shard}: corrupt safetensors file, {len(listed)} tensors listed in the index unreadable ({e})")
             unreadable.add(shard)
             continue
-        for name, (dtype, shape) in header.items():
+        headers[shard] = header
+        for name in sorted(header.entries):  # by name, as safe_open's keys() listed them
+            entry = header.entries[name]
             if name in found:
                 problems.append(f"{name}: stored twice ({found[name][0]} and {shard})")
-            found[name] = (shard, dtype, shape)
+            found[name] = (shard, entry.dtype, entry.shape)
         for name in listed:
             if name in found and found[name][0] != shard:
                 problems.append(f"{name}: index says {shard}, stored in {found[name][0]}")
-    return found, problems, unreadable
+    return found, problems, unreadable, headers
 
 
 def _fmt(dtype: str, shape: tuple[int, ...]) -> str:
@@ -566,15 +572,23 @@ def _fmt(dtype: str, shape: tuple[int, ...]) -> str:
 def validate_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> dict[str, str]:
     """Check every tensor header against checkpoint_spec without reading tensor data.
 
-    Returns {tensor name: shard file}. Raises CheckpointError counting, in one message, every
-    missing, unexpected and mismatched tensor (expected vs found dtype and shape), every missing or
-    corrupt shard (named once; the tensors the index puts in it are not reported missing one by
+    Reads the index and each shard's header (8 + N bytes, `_scan`): names, dtypes and shapes
+    (UE8M0 scale grids included: each `.scale` has the spec's block-grid shape and F8_E8M0), and
+    that each shard's data_offsets fit its file. Returns {tensor name: shard file}. Raises
+    CheckpointError counting, in one message, every missing, unexpected and mismatched tensor
+    (expected vs found dtype and shape), every missing, corrupt or truncated shard (named once,
+    with the tensor at fault; the tensors the index puts in it are not reported missing one by
     one) and index inconsistency, listing the first PROBLEMS_SHOWN (`_problem_report`).
     """
-    path = Path(path)
+    return _validated(Path(path), cfg, engram_num_embeddings)[0]
+
+
+def _validated(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]
+               ) -> tuple[dict[str, str], dict[str, sf.Header]]:
+    """validate_checkpoint's work: ({name: shard} in checkpoint_spec order, {shard: header})."""
     spec = checkpoint_spec(cfg, tuple(engram_num_embeddings))
     weight_map = _read_index(path)
-    found, shard_problems, unreadable = _scan(path, weight_map)
+    found, shard_problems, unreadable, headers = _scan(path, weight_map)
     missing = [f"{n}: expected {_fmt(s.dtype, s.shape)}" for n, s in spec.items()
                if n not in found and weight_map.get(n) not in unreadable]
     unexpected = [f"{n}: found {_fmt(d, sh)} in {sh_file}" for n, (sh_file, d, sh) in found.items() if n not in spec]
@@ -586,7 +600,7 @@ def validate_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tup
               ("mismatched", mismatched), ("index", not_indexed)]
     if any(items for _, items in groups):
         raise CheckpointError(_problem_report(path, groups))
-    return {n: found[n][0] for n in spec}
+    return {n: found[n][0] for n in spec}, headers
 
 
 def _problem_report(path: Path, groups: list[tuple[str, list[str]]], shown: int = PROBLEMS_SHOWN) -> str:
@@ -611,7 +625,8 @@ def load_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[i
     """Read and validate a checkpoint folder (safetensors only, never pickle).
 
     Returns {HF name: tensor} in checkpoint_spec order with the stored dtypes (float8_e4m3fn,
-    float8_e8m0fnu, int8, bfloat16, float32). Raises CheckpointError as `validate_checkpoint`.
+    float8_e8m0fnu, int8, bfloat16, float32), read into memory. Raises CheckpointError as
+    `validate_checkpoint`. `map_checkpoint` gives the same tensors without reading them.
     """
     path = Path(path)
     where = validate_checkpoint(path, cfg, engram_num_embeddings)
@@ -624,6 +639,91 @@ def load_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[i
             for name in names:
                 out[name] = h.get_tensor(name)
     return {n: out[n] for n in where}
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """A weight source (graphs/lazy.py) for one checkpoint tensor: `nbytes` bytes at byte `offset`
+    of shard `path`, which hold tensor `name` of `dtype` and `shape` as the bundle stores it.
+
+    chunks(size) reads them with pread, `size` bytes at a time into one buffer (so a streamed write
+    holds one chunk, and maps nothing); raises CheckpointError naming the file and tensor when the
+    file ends early (it shrank after validation)."""
+
+    path: Path
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def chunks(self, size: int = CHUNK_BYTES) -> Iterator[memoryview]:
+        buf = bytearray(min(size, self.nbytes))
+        view = memoryview(buf)
+        with open(self.path, "rb", buffering=0) as f:
+            at = 0
+            while at < self.nbytes:
+                want = min(size, self.nbytes - at)
+                got = os.preadv(f.fileno(), [view[:want]], self.offset + at)
+                if got <= 0:
+                    raise CheckpointError(f"{self.path}: tensor {self.name}: the file ends {self.nbytes - at} bytes "
+                                          f"short of the tensor's data (truncated after it was validated)")
+                yield view[:got]
+                at += got
+
+
+@dataclass(frozen=True)
+class MappedCheckpoint:
+    """A validated checkpoint whose tensors are not read: `tensors` {HF name: tensor} in
+    checkpoint_spec order, each a zero-copy view of a read-only memory map of its shard (its pages
+    are read from the file, and become resident, only where something touches them), and
+    `regions` {HF name: FileRegion} of the same bytes.
+
+    The tensors are READ-ONLY: writing into one faults (SIGSEGV). The map is shared and read-only
+    because a private writable one is charged against the system's commit limit at its full size,
+    which refuses the 98 GB engram shards of V4.1-Flash on a smaller machine; nothing on the
+    compile path writes into a weight."""
+
+    tensors: dict[str, torch.Tensor]
+    regions: dict[str, FileRegion]
+
+
+def map_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[int, ...]) -> MappedCheckpoint:
+    """Validate a checkpoint folder from its headers (`validate_checkpoint`) and map its tensors
+    without reading their data (MappedCheckpoint). A tensor whose bytes are not aligned to its
+    element size in the file (the safetensors writer aligns them; another writer might not) is
+    read into memory instead. Raises CheckpointError as `validate_checkpoint`, or naming the shard
+    when it cannot be mapped."""
+    path = Path(path)
+    where, headers = _validated(path, cfg, tuple(engram_num_embeddings))
+    maps: dict[str, mmap.mmap] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    regions: dict[str, FileRegion] = {}
+    for name, shard in where.items():
+        header = headers[shard]
+        entry = header.entries[name]
+        dtype, itemsize = sf.DTYPES[entry.dtype]
+        offset, nbytes = header.data_start + entry.begin, entry.end - entry.begin
+        regions[name] = FileRegion(path / shard, name, offset, nbytes, entry.shape, dtype)
+        numel = math.prod(entry.shape)
+        if numel == 0:
+            tensors[name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        if offset % itemsize:
+            tensors[name] = torch.frombuffer(bytearray(b"".join(regions[name].chunks())), dtype=dtype).view(entry.shape)
+            continue
+        if shard not in maps:
+            try:
+                with open(path / shard, "rb") as f:
+                    maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path / shard}: cannot be mapped ({e})") from None
+        # the tensor keeps the map alive (buffer export), which keeps the file's pages reachable;
+        # torch warns that the buffer is read-only: the tensors are meant so (module docstring)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            tensors[name] = torch.frombuffer(maps[shard], dtype=dtype, count=numel, offset=offset).view(entry.shape)
+    return MappedCheckpoint(tensors, regions)
 
 
 # ============================================================================== reporting
