@@ -18,19 +18,22 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import os
 import re
 import shutil
 import signal
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
-from safetensors.torch import save_file
 
 from dsneuron import UserError
 from dsneuron.disk import check_free, disk_full_is_an_error
+from dsneuron.graphs import safetensors_format as sf
+from dsneuron.graphs.lazy import CHUNK_BYTES, tensor_chunks
 from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
 
 from .cache import file_sha256
@@ -80,6 +83,8 @@ class BundleWriter:
         self.force = force
         self.tmp: Path | None = None
         self.committed = False
+        #: {rel: (sha256, size, mtime_ns)} of the files hashed while written
+        self._digests: dict[str, tuple[str, int, int]] = {}
 
     def __enter__(self) -> "BundleWriter":
         check_output(self.out, self.force)
@@ -110,19 +115,48 @@ class BundleWriter:
         with disk_full_is_an_error(self.out / rel, Path(src).stat().st_size, f"{rel} of the bundle"):
             shutil.copyfile(src, dst)
 
-    def write_weights(self, weights: dict[str, torch.Tensor], rel: str = WEIGHTS) -> None:
-        """weights.safetensors (no pickle); tensors must be contiguous and must not share storage.
+    def write_weights(self, weights: Mapping[str, Any], rel: str = WEIGHTS) -> None:
+        """Stream `weights` {name: tensor or weight source (graphs/lazy.py)} into the safetensors
+        file `rel` (no pickle), one tensor at a time in pieces of CHUNK_BYTES, hashing the bytes as
+        they are written; `commit` takes that sha256 instead of reading the file again. The bytes
+        are those of `safetensors.torch.save_file(weights)` without metadata (the layout of
+        graphs/safetensors_format.py). A tensor must be a contiguous CPU tensor and not share
+        storage with another; a source is read only here, chunk by chunk, so the write holds one
+        chunk (or one computed tensor) at a time.
         Raises DiskFullError, before writing, when the disk has not their size free, or when it
-        fills while writing."""
+        fills while writing; ValueError for a dtype without a safetensors name, a non-contiguous
+        tensor, or a source that yields another number of bytes than its shape and dtype take."""
         path = self.path(rel)
-        need = sum(t.numel() * t.element_size() for t in weights.values())
+        specs, nbytes = {}, {}
+        for name, w in weights.items():
+            if w.dtype not in sf.NAMES:
+                raise ValueError(f"weight {name}: dtype {w.dtype} has no safetensors name")
+            if isinstance(w, torch.Tensor) and (not w.is_contiguous() or w.device.type != "cpu"):
+                raise ValueError(f"weight {name}: the weights file takes contiguous CPU tensors")
+            specs[name] = (sf.NAMES[w.dtype], tuple(w.shape))
+            nbytes[name] = math.prod(w.shape) * sf.DTYPES[specs[name][0]][1]
+        prefix, order = sf.layout(specs)
+        need = len(prefix) + sum(nbytes.values())
         check_free(self.out.parent, need, f"the bundle's {rel}")
-        with disk_full_is_an_error(self.out / rel, need, f"the bundle's {rel}"):
-            save_file(weights, str(path))
-        # safetensors creates the file owner-only; a bundle is meant to be shared like any output
+        digest = hashlib.sha256(prefix)
+        with disk_full_is_an_error(self.out / rel, need, f"the bundle's {rel}"), open(path, "wb") as f:
+            f.write(prefix)
+            for name in order:
+                w = weights[name]
+                written = 0
+                for piece in (tensor_chunks(w, CHUNK_BYTES) if isinstance(w, torch.Tensor) else w.chunks(CHUNK_BYTES)):
+                    digest.update(piece)
+                    f.write(piece)
+                    written += len(piece)
+                if written != nbytes[name]:
+                    raise ValueError(f"weight {name}: its source gave {written} bytes, {specs[name][0]} "
+                                     f"{list(specs[name][1])} takes {nbytes[name]}")
+        # a bundle is meant to be shared like any output (safetensors made the file owner-only)
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(path, 0o666 & ~mask)
+        st = path.stat()
+        self._digests[rel] = (digest.hexdigest(), st.st_size, st.st_mtime_ns)
 
     def commit(self, manifest: Manifest, sign: Callable[[Path], Any] | None = None) -> Path:
         """Checksum every file, write manifest.json, call sign(folder) when given (the signature
@@ -132,7 +166,11 @@ class BundleWriter:
         for p in sorted(self.tmp.rglob("*")):
             if p.is_file():
                 rel = p.relative_to(self.tmp).as_posix()
-                files[rel] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+                st = p.stat()
+                known = self._digests.get(rel)
+                # hashed while written, unless the file changed since
+                sha = known[0] if known and known[1:] == (st.st_size, st.st_mtime_ns) else file_sha256(p)
+                files[rel] = {"sha256": sha, "size": st.st_size}
         manifest = dataclasses.replace(manifest, files=files)
         text = manifest.to_json()
         with disk_full_is_an_error(self.tmp / MANIFEST, len(text), MANIFEST):

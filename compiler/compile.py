@@ -63,6 +63,11 @@ class ModelParts:
         and the runtime re-applies the promotion (Manifest.load_casts).
     prepare: load-time recipes (runtime_min/schema.py `Prepare`): their inputs are stored in the
         bundle, their outputs (also in `weights`) are what the executables take and are not stored.
+    sources: {weight name: weight source (graphs/lazy.py)}: where the stored bytes of a weight come
+        from when they are not to be read from its tensor in `weights` (which may then be a
+        placeholder of the model's shape and dtype, never read): a checkpoint file region, a
+        deferred computation. Its shape is the weight's, its dtype the stored one (stored_dtypes,
+        else the weight's); a narrowing source gives the bytes the model's tensor was cast from.
     """
 
     steps: StepFactory
@@ -71,6 +76,7 @@ class ModelParts:
     host_params: dict[str, Any]
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     prepare: tuple[Prepare, ...] = ()
+    sources: Mapping[str, Any] = field(default_factory=dict)
 
 
 def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
@@ -203,7 +209,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     out = Path(out)
     check_output(out, force)
     _check_weights(parts.weights)
-    stored, load_casts = _stored_weights(parts.weights, parts.stored_dtypes)
+    stored, load_casts = _stored_weights(parts.weights, parts.stored_dtypes, parts.sources)
     tok_files = [Path(p) for p in parts.tokenizer_files]
     if not tok_files or tok_files[0].name != "tokenizer.json" or not all(p.is_file() for p in tok_files):
         raise ConfigError(f"tokenizer files {[str(p) for p in tok_files]}: need an existing tokenizer.json first")
@@ -404,16 +410,29 @@ def _check_weights(weights: dict[str, torch.Tensor]) -> None:
         seen[key] = name
 
 
-def _stored_weights(weights: dict[str, torch.Tensor], stored_dtypes: dict[str, torch.dtype]
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors to write, {name: dtype name the runtime casts back to}); raises CompileError when a
-    narrowing is not exact (the stored bytes must reproduce the model's tensor)."""
-    unknown = sorted(set(stored_dtypes) - set(weights))
+def _stored_weights(weights: dict[str, torch.Tensor], stored_dtypes: dict[str, torch.dtype],
+                    sources: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(what to write per weight: a tensor or a weight source, {name: dtype name the runtime casts
+    back to}); nothing is read from a weight that has a source. Raises CompileError when a
+    narrowing is not exact (the stored bytes must reproduce the model's tensor), or when a source
+    names no weight or differs from its weight in shape or from its stored dtype."""
+    sources = sources or {}
+    unknown = sorted(set(stored_dtypes) - set(weights)) or sorted(set(sources) - set(weights))
     if unknown:
-        raise CompileError(f"stored_dtypes names {unknown[0]!r}, which is not a weight")
+        what = "stored_dtypes" if unknown[0] in stored_dtypes else "sources"
+        raise CompileError(f"{what} names {unknown[0]!r}, which is not a weight")
     stored, casts = {}, {}
     for name, t in weights.items():
         want = stored_dtypes.get(name, t.dtype)
+        src = sources.get(name)
+        if src is not None:
+            if tuple(src.shape) != tuple(t.shape) or src.dtype != want:
+                raise CompileError(f"weight {name}: its source is {dtype_name(src.dtype)} {list(src.shape)}, the weight "
+                                   f"is stored as {dtype_name(want)} {list(t.shape)}")
+            stored[name] = src
+            if want != t.dtype:
+                casts[name] = dtype_name(t.dtype)
+            continue
         if want == t.dtype:
             stored[name] = t
             continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,6 +18,8 @@ from dsneuron.graphs import stages, steps
 from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.engram import engram_layout, engram_params
 from dsneuron.graphs.kernel_weights import attach_kernel_weights, kernel_recipes
+from dsneuron.graphs.lazy import Computed, placeholder
+from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.runtime_min.bundle import prepare_tensors
@@ -128,30 +131,67 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     models run in GEMM order "kernel": every GEMM weight is prepared into the cpu kernels' layout
     (graphs/kernel_weights.py), the executables take the prepared tensors, and the bundle stores
     the checkpoint tensors with the recipes (ModelParts.prepare). Raises CheckpointError /
-    ConfigError on bad input."""
+    ConfigError on bad input.
+
+    No tensor data is read here (graphs/lazy.py): the checkpoint is validated from its headers and
+    mapped (`map_checkpoint`), so the models hold views whose pages are read only where something
+    computes with them, and the bundle's weights are streamed from the checkpoint files when they
+    are written (ModelParts.sources). On cpu the models are for tracing only: the prepared kernel
+    weights, and the recipe inputs the models do not hold (the fp32 head and compressors, the bf16
+    wo_a), are zero placeholders of their shapes, since the runtime prepares the real ones from the
+    stored tensors; the wo_a dequantisation is made per layer while the weights file is written. The
+    neuron models compute (scripts/xla-check runs them eagerly), so there the bf16 -> fp32 casts
+    and the wo_a dequantisation are made here, as before.
+    """
     from .compile import ModelParts
 
     path = checkpoint_for(model_cfg, compile_cfg, cache_dir)
     rows = engram_layout(model_cfg).num_embeddings if model_cfg.engram_layer_ids else ()
-    weights = model_weights(ckpt_io.load_checkpoint(path, model_cfg, rows), model_cfg)
+    mapped = ckpt_io.map_checkpoint(path, model_cfg, rows)
     capacities = plan_buckets(compile_cfg, model_cfg).decode_capacities
-    probe = build_model(model_cfg, weights, rows, max(capacities))
-    casts = load_casts(probe, weights)
-    # cast once so every per-capacity model holds the very same tensors (weights stored once)
-    held = {n: (t.to(casts[n]) if n in casts else t) for n, t in weights.items()}
+    cpu = target == "cpu"
+    derived: dict[str, Computed] | None = {} if cpu else None
+    weights = model_weights(mapped.tensors, model_cfg, derived)
+    skeleton = Transformer(model_cfg, rows, max(capacities))  # module structure and parameter dtypes
+    casts = load_casts(skeleton, weights)
+    recipes: list[Prepare] = kernel_recipes(skeleton, weights) if cpu else []
+    del skeleton
+    consumed = {n for r in recipes for n in (*r.weights, *r.scales)}
+    # cast once so every per-capacity model holds the very same tensors (weights stored once); a
+    # weight that only the recipes read is dropped from the models below: a placeholder will do
+    held = {n: ((placeholder(tuple(t.shape), casts[n]) if n in consumed else t.to(casts[n])) if n in casts else t)
+            for n, t in weights.items()}
     models = {c: build_model(model_cfg, held, rows, c) for c in capacities}
     first = models[capacities[0]]
-    recipes: list[Prepare] = []
-    if target == "cpu":
-        recipes = kernel_recipes(first, weights)
-        prepared = {n: t for r in recipes for n, t in prepare_tensors(r, weights).items()}
+    if recipes:
+        prepared = _prepared_placeholders(recipes, weights)
         for m in models.values():
             attach_kernel_weights(m, prepared, recipes, drop=True)
     taken = {n: p.detach() for n, p in first.named_parameters()}
     taken.update({n: b for n, b in first.named_buffers() if n.endswith(("kernel_w", "kernel_w_scale"))})
     stored = {n: held[n] for r in recipes for n in (*r.weights, *r.scales)}
+    all_weights = {**taken, **stored}
+    # the bytes each weight is stored as: the checkpoint's own where the model's tensor is a view of
+    # them or a cast of them (stored_dtypes narrows it back), else the deferred wo_a dequantisation
+    sources: dict[str, Any] = {n: mapped.regions[n] for n in all_weights
+                               if n in mapped.regions and weights.get(n) is mapped.tensors[n]}
+    sources.update({n: src for n, src in (derived or {}).items() if n in all_weights})
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
     factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer)
-    return ModelParts(factory, {**taken, **stored},
+    return ModelParts(factory, all_weights,
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
-                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes))
+                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources)
+
+
+def _prepared_placeholders(recipes: list[Prepare], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{output name: placeholder} for every recipe output, with the shape and dtype the recipe
+    makes (runtime_min prepare_tensors run on fake tensors: no data read, nothing computed).
+    Raises CompileError for an output that is not contiguous (weights are passed contiguous)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = {n: t for r in recipes for n, t in prepare_tensors(r, weights).items()}
+    bad = [n for n, t in fakes.items() if not t.is_contiguous()]
+    if bad:
+        raise CompileError(f"prepare recipe output {bad[0]}: not contiguous; prepared weights are passed contiguous")
+    return {n: placeholder(tuple(t.shape), t.dtype) for n, t in fakes.items()}

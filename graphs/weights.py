@@ -9,17 +9,24 @@ the casts generically.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import ModelConfig
+from .lazy import Computed, placeholder
 from .model import Transformer
 from .quant import dequant_fp8_weight
 
-def model_weights(ckpt: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def model_weights(ckpt: dict[str, torch.Tensor], cfg: ModelConfig,
+                  derived: dict[str, Computed] | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint tensors (HF names) -> the tensors the step graphs take, before LOAD_CASTS.
 
     Drops mtp.* and every `attn.wo_a.scale`; `attn.wo_a.weight` becomes bf16 [out, in] (exact:
-    e4m3 value times a power of two fits bf16).
+    e4m3 value times a power of two fits bf16). With `derived` (a dict, filled here), the
+    dequantisation is not done: each wo_a weight is a zero `placeholder` of its bf16 shape and
+    `derived[name]` a `Computed` source that makes its values when it is written (a compile whose
+    models do not hold wo_a, graphs/lazy.py); the other tensors are `ckpt`'s own.
     """
     out: dict[str, torch.Tensor] = {}
     for name, t in ckpt.items():
@@ -27,9 +34,18 @@ def model_weights(ckpt: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
             continue
         if name.endswith("attn.wo_a.weight"):
             scale = ckpt[name[: -len("weight")] + "scale"]
-            t = dequant_fp8_weight(t, scale, cfg.fp8_block_size).to(torch.bfloat16)
+            if derived is None:
+                t = _dequant_wo_a(t, scale, cfg.fp8_block_size)
+            else:
+                derived[name] = Computed(name, tuple(t.shape), torch.bfloat16,
+                                         functools.partial(_dequant_wo_a, t, scale, cfg.fp8_block_size))
+                t = placeholder(tuple(t.shape), torch.bfloat16)
         out[name] = t
     return out
+
+
+def _dequant_wo_a(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    return dequant_fp8_weight(weight, scale, block).to(torch.bfloat16)
 
 
 def load_casts(model: Transformer, weights: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:

@@ -535,17 +535,18 @@ def test_too_little_disk_for_the_weights_exits_2_before_writing(monkeypatch, cap
 
 
 def test_disk_full_while_writing_weights_exits_2_and_leaves_nothing(monkeypatch, capsys, tmp_path, cli_kit):
-    """ENOSPC as safetensors reports it (a SafetensorError whose message carries the OS error)."""
+    """ENOSPC from a write of the streamed weights file, after part of it was written."""
+    import errno
+
     from dsneuron.compiler import bundle_writer
-    from safetensors import SafetensorError
 
     _, config, _ = cli_kit
+    real = bundle_writer.tensor_chunks
 
-    def full(tensors, path):
-        Path(path).write_bytes(b"partial")
-        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
-                              "\"No space left on device\" }) (os error 28)")
-    monkeypatch.setattr(bundle_writer, "save_file", full)
+    def full(t, size):
+        yield from real(t[:1], size)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(bundle_writer, "tensor_chunks", full)
     assert run_cli(monkeypatch, *compile_args(config, tmp_path / "art", tmp_path)) == 2
     err = capsys.readouterr().err
     assert "disk full while writing the bundle's weights.safetensors" in err and "MiB free now" in err
