@@ -295,6 +295,35 @@ def compare_cmd(
         raise typer.Exit(1)
 
 
+@app.command("plan")
+def plan_cmd(
+    config: str = typer.Option(..., "--config", help="config JSON path or packaged name (tiny, micro, v4.1-flash)"),
+    target: str = typer.Option("cpu", "--target", help="cpu (this host, one rank) or neuron (an --instance)"),
+    instance: Optional[str] = typer.Option(None, "--instance", help="with --target neuron: trn2.48xlarge (default), "
+                                                                   "trn2u.48xlarge, trn2.3xlarge, trn1.32xlarge, "
+                                                                   "trn1n.32xlarge, trn1.2xlarge"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor-parallel ranks = world size [default: every rank "
+                                                         "of the instance; 1 on cpu]"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="expert-parallel groups inside the tp ranks "
+                                                         "[default: gcd(tp, n_routed_experts)]"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure as JSON here"),
+) -> None:
+    """Per bucket and rank: FLOPs, weight, state and activation bytes against the instance's HBM
+    (exit 2 when it does not fit), the stage kinds to compile and the decode roofline."""
+    from dsneuron.compiler.config import load_config
+    from dsneuron.compiler.plan import check_fit, make_plan, render
+
+    if json_out is not None and not json_out.parent.is_dir():
+        raise UserError(f"--json {json_out}: its folder {json_out.parent} does not exist")
+    model_cfg, compile_cfg, path = load_config(config)
+    plan = make_plan(model_cfg, compile_cfg, target, instance, tp, ep, config_name=config,
+                     log=lambda s: err_console.print(s, highlight=False))
+    render(plan, console)
+    if json_out is not None:
+        json_out.write_text(json.dumps(plan.to_dict(), indent=1))
+    check_fit(plan)
+
+
 @app.command("sign")
 def sign_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder"),

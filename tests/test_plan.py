@@ -1,0 +1,219 @@
+"""`dsneuron plan` (compiler/plan.py): the packaged v4.1-flash config, and the plan's numbers against
+independent computations (checkpoint_spec sums, real init_state tensors, a real eager FLOP count),
+TP/EP splits summing back to one rank, refused inputs, the printed table."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from stand_in import run_cli
+from dsneuron.compiler import plan as P
+from dsneuron.compiler.buckets import PlannedBucket
+from dsneuron.compiler.config import CompileConfig, load_config
+from dsneuron.graphs.engram import engram_layout
+from dsneuron.graphs.spec import checkpoint_spec
+
+
+@functools.lru_cache(maxsize=8)
+def _spec(cfg):
+    return checkpoint_spec(cfg, engram_layout(cfg).num_embeddings)
+
+
+# ------------------------------------------------------------------------------- the packaged config
+def test_v41_flash_config_loads_validates_and_allocates_nothing():
+    """load_config + engram layout + checkpoint_spec of the real model, in a fresh process: the
+    engram tables have the released row counts, and peak RSS stays that of a bare torch import."""
+    code = ("import resource, torch; base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "from dsneuron.compiler.config import load_config\n"
+            "from dsneuron.graphs.engram import engram_layout\n"
+            "from dsneuron.graphs.spec import checkpoint_spec\n"
+            "m, c, _ = load_config('v4.1-flash'); m.validate()\n"
+            "rows = engram_layout(m).num_embeddings; spec = checkpoint_spec(m, rows)\n"
+            "print(list(rows), spec['layers.1.engram.embed.weight'].shape, m.dim, m.n_layers, c.max_seq_len,\n"
+            "      (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.split(")")
+    assert out[0].startswith("[384006168, 384016682] (384006168, 256"), r.stdout
+    dim, layers, seq, rss_mib = map(int, r.stdout.split(")")[-1].split())
+    assert (dim, layers, seq) == (5120, 40, 65536)
+    assert rss_mib < 300, f"loading the v4.1-flash config grew RSS by {rss_mib} MiB"
+
+
+# ------------------------------------------------------------------------------- weights and state
+@pytest.mark.parametrize("name,tp,ep", [("micro", 4, 2), ("tiny", 8, 4), ("v4.1-flash", 64, 64), ("v4.1-flash", 32, 8)])
+def test_weight_split_sums_back_to_one_rank(name, tp, ep):
+    """Split placements sum over the ranks to the single-rank bytes, replicated ones are whole on
+    every rank, and one rank holds every checkpoint byte that is neither on the host nor DSpark."""
+    cfg = load_config(name)[0]
+    spec = _spec(cfg)
+    one = P.weight_bytes(cfg, P.Parallel(1, 1), spec)[0]
+    assert sum(one.values()) == sum(P._nbytes(s) for s in spec.values())
+    assert one[P.UNUSED] == sum(P._nbytes(s) for n, s in spec.items() if n.startswith("mtp."))
+    assert one[P.HOST] == sum(P._nbytes(s) for n, s in spec.items() if ".engram.embed." in n)
+    many = P.weight_bytes(cfg, P.Parallel(tp, ep), spec)
+    assert len(many) == tp
+    split = sum(r[P.TP] + r[P.VOCAB] + r[P.EXPERTS] for r in many)
+    # what moved to replication (the shared expert, engram.wkv when they do not split) is counted once
+    moved = many[0][P.REPLICATED] - one[P.REPLICATED]
+    assert split + moved == one[P.TP] + one[P.VOCAB] + one[P.EXPERTS]
+    assert all(r[P.REPLICATED] == many[0][P.REPLICATED] for r in many)
+    assert sum(r[P.EXPERTS] for r in many) == one[P.EXPERTS]
+
+
+def test_v41_flash_weights_per_rank_at_tp64():
+    """The numbers the README quotes: every rank holds the same bytes, the shared expert is
+    replicated (2304 / 64 = 36 is not a whole number of 32-blocks), 6 experts per rank."""
+    cfg = load_config("v4.1-flash")[0]
+    spec = _spec(cfg)
+    par = P.Parallel(64, 64)
+    ranks = P.weight_bytes(cfg, par, spec)
+    assert len({tuple(r.values()) for r in ranks}) == 1
+    assert P.placement(cfg, par, "layers.5.ffn.shared_experts.w1.weight") == P.REPLICATED
+    expert = sum(P._nbytes(s) for n, s in spec.items() if n.startswith("layers.0.ffn.experts.0."))
+    assert ranks[0][P.EXPERTS] == 6 * 40 * expert
+    assert P._expert_owner(cfg, par, "layers.0.ffn.experts.383.w1.weight") == (63,)
+
+
+def test_state_bytes_are_the_real_init_state_tensors():
+    from dsneuron.graphs.steps import init_state
+
+    for name in ("micro", "tiny"):
+        cfg = load_config(name)[0]
+        for batch, cap in ((1, 64), (2, 128)):
+            real = sum(t.nbytes for t in init_state(cfg, batch, cap).values())
+            assert P.state_bytes(cfg, batch, cap) == real
+
+
+# ------------------------------------------------------------------------------- FLOPs
+def test_custom_op_formulas_match_their_torch_references():
+    """The two attention custom ops are counted by formula; their torch references (float64 bmm /
+    einsum) counted by FlopCounterMode give the same number."""
+    from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_bf16_ref
+    from dsneuron.kernels_nki.sparse_attn_ref import sparse_attn_ref
+
+    B, S, H, D, N, K = 2, 3, 4, 128, 100, 192
+    q = torch.randn(B, S, H, D).to(torch.bfloat16)
+    kv = torch.randn(B, N, D).to(torch.bfloat16)
+    idx = torch.randint(-1, N, (B, S, K), dtype=torch.int32)
+    with FlopCounterMode(display=False) as fc:
+        sparse_attn_ref(q, kv, torch.zeros(H), idx, 0.1)
+    assert fc.get_total_flops() == P._sparse_attn_flops(q.shape, kv.shape, (H,), idx.shape, 0.1)
+    T = 37
+    k = torch.randn(B, T, D).to(torch.bfloat16)
+    w = torch.randn(B, S, H).to(torch.bfloat16)
+    with FlopCounterMode(display=False) as fc:
+        mqa_logits_bf16_ref(q, k, w)
+    assert fc.get_total_flops() == P._mqa_logits_bf16_flops(q.shape, k.shape, w.shape)
+
+
+def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
+    """FLOPs of one real eager step of `cfg` (uninitialised weights: the count does not depend on
+    values), the MoE in its routed loop (each expert on the tokens routed to it), ascending order."""
+    from dsneuron.graphs.model import Transformer, gemm_order
+    from dsneuron.graphs.steps import decode, init_state, n_engram_cols, prefill
+    from dsneuron.kernels_nki.formats import xla_spelling
+
+    model = Transformer(cfg, engram_layout(cfg).num_embeddings, bucket.capacity)
+    for p in model.parameters():  # zeros: no NaN from uninitialised bytes
+        p.data = torch.zeros_like(p)
+    E, C = n_engram_cols(cfg)
+    B, S = bucket.batch, bucket.seq_len
+    tokens = torch.zeros(B, S, dtype=torch.int64)
+    ids = torch.zeros(B, S, E, C, dtype=torch.int64)
+    fc = FlopCounterMode(display=False, custom_mapping=P.custom_flops())
+    with fc, gemm_order("ascending"), xla_spelling(), torch.no_grad():
+        if bucket.kind == "prefill":
+            prefill(model, tokens, torch.full((B,), S), ids, routed=True)
+        else:
+            decode(model, tokens, torch.full((B,), bucket.capacity - 1), ids, init_state(cfg, B, bucket.capacity), routed=True)
+    return fc.get_total_flops()
+
+
+def test_decode_flops_match_a_real_count_and_split_over_ranks():
+    cfg = load_config("micro")[0]
+    b = PlannedBucket("decode", 1, 1, 64)
+    flops, by_where = P.count_flops(cfg, P.Parallel(1, 1), 64, b)
+    assert flops == [_real_step_flops(cfg, b)]
+    # micro's shared expert (128) and engram.wkv (128 inputs) split at tp 4 as at tp 1: same placements
+    par = P.Parallel(4, 2)
+    assert all(P.placement(cfg, par, n) == P.placement(cfg, P.Parallel(1, 1), n) for n in _spec(cfg) if "experts" not in n)
+    split = P.flops_per_rank(cfg, par, by_where)
+    assert math.isclose(sum(split), flops[0] + (par.world - 1) * by_where[P.REPLICATED])
+    assert split[0] == split[3] and by_where[P.TP] > 0 and by_where[P.EXPERTS] > 0
+
+
+@pytest.mark.slow
+def test_prefill_flops_match_a_real_routed_count():
+    for name, s in (("micro", 32), ("tiny", 128)):
+        cfg = load_config(name)[0]
+        b = PlannedBucket("prefill", 1, s, 128 if name == "tiny" else 64)
+        assert P.count_flops(cfg, P.Parallel(1, 1), b.capacity, b)[0] == [_real_step_flops(cfg, b)], name
+
+
+# ------------------------------------------------------------------------------- refused inputs
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "--tp 3: must divide model.n_heads=4"),
+    (["--tp", "4", "--ep", "3"], "--ep 3: must divide model.n_routed_experts=8"),
+    (["--tp", "256"], "--tp 256: trn2.48xlarge has 64 ranks"),
+    (["--instance", "trn9.huge"], "--instance 'trn9.huge': unknown instance"),
+])
+def test_bad_splits_and_instances_exit_2(monkeypatch, capsys, args, message):
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--target", "neuron", *args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_plan_that_does_not_fit_exits_2_naming_the_numbers(monkeypatch, capsys):
+    """V4.1-Flash on one trn2 chip: refused before any fake run, naming bucket, rank, need and have."""
+    assert run_cli(monkeypatch, "plan", "--config", "v4.1-flash", "--target", "neuron", "--instance", "trn2.3xlarge") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "plan does not fit trn2.3xlarge: bucket decode b1 s65536 on rank 0 needs at least" in err, err
+    assert "the rank has 24.00 GiB" in err
+
+
+def test_cpu_target_takes_one_rank_and_no_instance(monkeypatch, capsys):
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--instance", "trn2.48xlarge") == 2
+    assert "--instance trn2.48xlarge: goes with --target neuron" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--tp", "2") == 2
+    assert "--tp 2: host has 1 ranks" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the command
+@pytest.mark.slow
+def test_plan_command_prints_the_table_and_writes_json(monkeypatch, capsys, tmp_path):
+    """micro with one prefill and one decode bucket on 4 trn2 ranks: the table rows, the JSON figures
+    against the independent ones above, and the stage kinds of graphs/stages.py."""
+    from dsneuron.graphs.stages import attn_kind
+
+    model, _, _ = load_config("micro")
+    cfg = tmp_path / "micro1.json"
+    comp = CompileConfig(64, (1,), (16,), (64,))
+    cfg.write_text(json.dumps({"model": model.to_dict(), "compile": comp.to_dict()}))
+    out = tmp_path / "plan.json"
+    monkeypatch.setenv("COLUMNS", "250")
+    rc = run_cli(monkeypatch, "plan", "--config", str(cfg), "--target", "neuron", "--instance", "trn2.3xlarge",
+                 "--tp", "4", "--ep", "2", "--json", str(out))
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    for needle in ("prefill b1 s16", "decode b1 s64", "0-3", "fits", "stage kinds to compile", "roofline"):
+        assert needle in text, needle
+    data = json.loads(out.read_text())
+    assert data["fits"] and data["parallel"] == {"tp": 4, "ep": 2, "moe_tp": 2, "world": 4}
+    spec = _spec(model)
+    par = P.Parallel(4, 2)
+    assert data["weights_per_rank"] == P.weight_bytes(model, par, spec)
+    dec = data["buckets"][1]
+    assert dec["state"] == P.state_bytes(model, 1, 64) and dec["activation"] > dec["activation_weight_copies"] > 0
+    assert math.isclose(sum(dec["flops_by_placement"].values()), P.count_flops(model, P.Parallel(1, 1), 64, PlannedBucket("decode", 1, 1, 64))[0][0])
+    assert dec["need"][0] == dec["weights"][0] + dec["state"] + dec["activation"]
+    assert set(data["stage_kinds"]) >= {attn_kind(model, L) for L in range(model.n_layers)}
+    assert data["decode_read"]["total"] > 0 and data["roofline_s_per_token"] > 0
