@@ -89,7 +89,9 @@ def call_mqa_logits_sparse(kernel: Any, q: torch.Tensor, q_sf: torch.Tensor, kv:
 
 
 def _as_bytes(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.view(torch.uint8) for t in tensors]
+    # operands already in bytes (the indexer's, under the xla spelling) are passed as they are: a
+    # dtype view, even to the same dtype, is an op torch-xla runs on the host
+    return [t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in tensors]
 
 
 def _format(q: torch.Tensor) -> str:
