@@ -739,7 +739,8 @@ def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = 
     rows = engram_layout(model_cfg).num_embeddings if model_cfg.engram_layer_ids else ()
     spec = checkpoint_spec(model_cfg, rows)
     weights = weight_bytes(model_cfg, par, spec)
-    held = [device_bytes(w) for w in weights]
+    # on the cpu target the host is the rank: the engram tables it keeps share the same memory
+    held = [device_bytes(w) + (w[HOST] if inst.name == "host" else 0) for w in weights]
     # before the fake runs (minutes for a large model): weights and state alone must fit
     worst_state = max(plan.buckets, key=lambda b: state_bytes(model_cfg, b.batch, b.capacity))
     st = state_bytes(model_cfg, worst_state.batch, worst_state.capacity)
@@ -747,7 +748,7 @@ def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = 
     if held[r] + st > inst.hbm_per_rank:
         raise UserError(f"plan does not fit {inst.name}: bucket {worst_state.label} on rank {r} needs at least "
                         f"{_g(held[r] + st)} GiB (weights {_g(held[r])} + state {_g(st)}, before activations), the rank "
-                        f"has {_g(inst.hbm_per_rank)} GiB; use more ranks (--tp, a larger --instance) or smaller buckets")
+                        f"has {_g(inst.hbm_per_rank)} GiB; {_advice(inst)}")
     out = []
     for b in plan.buckets:
         if log:
@@ -838,10 +839,17 @@ def render(plan: Plan, console) -> None:
         console.print(f"note: {note}", highlight=False)
 
 
+def _advice(inst: Instance) -> str:
+    """What a plan that does not fit `inst` can change."""
+    if inst.name == "host":
+        return "the cpu target is this one host: plan smaller buckets, or --target neuron with more ranks"
+    return "use more ranks (--tp, a larger --instance) or smaller buckets"
+
+
 def check_fit(plan: Plan) -> None:
     """Raise UserError naming the worst bucket and rank when the plan does not fit."""
     b, r = plan.worst()
     if b.need(r) > plan.have:
         raise UserError(f"plan does not fit {plan.instance.name}: bucket {b.label} on rank {r} needs {_g(b.need(r))} GiB "
                         f"(weights {_g(b.weights[r])} + state {_g(b.state)} + activation {_g(b.activation)}), the rank has "
-                        f"{_g(plan.have)} GiB; use more ranks (--tp, a larger --instance) or smaller buckets")
+                        f"{_g(plan.have)} GiB; {_advice(plan.instance)}")

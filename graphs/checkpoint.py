@@ -559,9 +559,11 @@ def _scan(path: Path, weight_map: dict[str, str]
             if name in found:
                 problems.append(f"{name}: stored twice ({found[name][0]} and {shard})")
             found[name] = (shard, entry.dtype, entry.shape)
-        for name in listed:
-            if name in found and found[name][0] != shard:
-                problems.append(f"{name}: index says {shard}, stored in {found[name][0]}")
+    # after every shard: a tensor the index puts in an earlier shard than the one storing it is only
+    # found once the later shard is read
+    for name in sorted(weight_map):
+        if name in found and found[name][0] != weight_map[name]:
+            problems.append(f"{name}: index says {weight_map[name]}, stored in {found[name][0]}")
     return found, problems, unreadable, headers
 
 

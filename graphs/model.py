@@ -104,42 +104,36 @@ ORDERS = GEMM_ORDERS + ("kernel",)
 
 
 @contextmanager
+def _numerics(field: str, value: object):
+    """NUMERICS.<field> = value while the block runs, restored after."""
+    prev = getattr(NUMERICS, field)
+    setattr(NUMERICS, field, value)
+    try:
+        yield
+    finally:
+        setattr(NUMERICS, field, prev)
+
+
 def gemm_order(order: str):
-    """Run (or trace) the model with every block-scaled GEMM summing its K blocks in `order`.
-    Raises ValueError for an order not in ORDERS."""
+    """Run (or trace) the model with every block-scaled GEMM summing its K blocks in `order` (a
+    context manager). Raises ValueError for an order not in ORDERS."""
     if order not in ORDERS:
         raise ValueError(f"gemm_order: order must be one of {ORDERS}, got {order!r}")
-    prev = NUMERICS.gemm_order
-    NUMERICS.gemm_order = order
-    try:
-        yield
-    finally:
-        NUMERICS.gemm_order = prev
+    return _numerics("gemm_order", order)
 
 
-@contextmanager
 def indexer_mode(mode: str):
-    """Run (or trace) the model with the indexer scoring in `mode` (`_Numerics.indexer`).
-    Raises ValueError for a mode not in INDEXER_MODES."""
+    """Run (or trace) the model with the indexer scoring in `mode` (`_Numerics.indexer`; a context
+    manager). Raises ValueError for a mode not in INDEXER_MODES."""
     if mode not in INDEXER_MODES:
         raise ValueError(f"indexer_mode: mode must be one of {INDEXER_MODES}, got {mode!r}")
-    prev = NUMERICS.indexer
-    NUMERICS.indexer = mode
-    try:
-        yield
-    finally:
-        NUMERICS.indexer = prev
+    return _numerics("indexer", mode)
 
 
-@contextmanager
 def nudged_embedding():
-    """Run the model with its embedding output one bf16 step up everywhere (NUMERICS.nudge_embedding)."""
-    prev = NUMERICS.nudge_embedding
-    NUMERICS.nudge_embedding = True
-    try:
-        yield
-    finally:
-        NUMERICS.nudge_embedding = prev
+    """Run the model with its embedding output one bf16 step up everywhere (NUMERICS.nudge_embedding;
+    a context manager)."""
+    return _numerics("nudge_embedding", True)
 
 
 @dataclass

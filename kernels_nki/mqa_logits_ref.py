@@ -20,7 +20,7 @@ import math
 import torch
 
 from dsneuron.kernels_nki.formats import (PACKED_FP4_DTYPES, SCALE_BLOCK, dequantize_e2m1, dequantize_e4m3, e4m3_to_float,
-                                         ue8m0_to_float)
+                                         ue8m0_to_float, xla_spelling)
 
 #: Logits rows start on 512-byte boundaries (the seed's get_logits_stride): 256 bf16 columns.
 ROW_ALIGN_ELEMS = 512 // torch.bfloat16.itemsize
@@ -238,6 +238,11 @@ def mqa_logits_kernel_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor,
     (compiler/xla_check.py REFERENCE_KERNELS), where it takes the kernel's place behind the real
     adapter; the ranges are not value-checked (that would be a host sync), as in the kernel.
     Raises ValueError for a fmt other than "fp8" / "fp4"."""
+    with xla_spelling():  # it runs on the XLA device: no bit views (a host fallback there)
+        return _kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt)
+
+
+def _kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt):
     if fmt == "fp8":
         qf = e4m3_to_float(q).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(q_sf).unsqueeze(-1)
         kf = e4m3_to_float(kv).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(kv_sf).unsqueeze(-1)

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ from rich.console import Console
 from dsneuron import UserError
 from dsneuron.graphs import checkpoint as ck
 from dsneuron.graphs.checkpoint import (CheckpointError, checkpoint_weight_stats, draw_tensor, inspect_checkpoint,
-                                        load_checkpoint, make_checkpoint, read_checkpoint_config, tensor_family)
+                                        load_checkpoint, make_checkpoint, read_checkpoint_config, tensor_family,
+                                        validate_checkpoint)
 from dsneuron.graphs.engram import engram_layout
 from dsneuron.graphs.spec import checkpoint_spec
 
@@ -236,6 +238,21 @@ def test_loader_names_every_problem_at_once(micro_checkpoint, micro_cfg, tmp_pat
     assert "unexpected (1):\n    layers.0.stray.weight: found F32 [3]" in msg
     assert str(bad) in msg and "4 checkpoint problem(s)" in msg
     assert isinstance(e.value, UserError)
+
+
+@pytest.mark.parametrize("direction", ["earlier", "later"])
+def test_index_naming_another_shard_than_the_one_storing_a_tensor_is_refused(micro_checkpoint, micro_cfg, tmp_path,
+                                                                             direction):
+    """Either way round: a tensor the index puts in an earlier shard is found only once its real,
+    later shard is read (the check runs after every shard)."""
+    bad = _clone(micro_checkpoint, tmp_path / "moved", copy=(INDEX,))
+    index = json.loads((bad / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, s in sorted(index["weight_map"].items()) if s == shards[1 if direction == "earlier" else 0])
+    index["weight_map"][name] = shards[0 if direction == "earlier" else 1]
+    (bad / INDEX).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: index says {index['weight_map'][name]}, stored in"):
+        validate_checkpoint(bad, micro_cfg, _rows(micro_cfg))
 
 
 def test_loader_missing_index_shard_and_corrupt_shard(micro_checkpoint, micro_cfg, tmp_path):

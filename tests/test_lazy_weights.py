@@ -37,6 +37,7 @@ from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.engram import engram_layout
 from dsneuron.graphs.lazy import Computed, placeholder
 from dsneuron.graphs.spec import checkpoint_spec
+from test_checkpoint import _clone
 
 INDEX = "model.safetensors.index.json"
 ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
@@ -223,18 +224,6 @@ def test_full_size_checkpoint_with_a_wrong_shape_dtype_or_missing_tensor_is_refu
 
 
 # ------------------------------------------------------------------ truncated and bad shards
-def _clone(src: Path, dst: Path, copy: tuple[str, ...] = ()) -> Path:
-    for p in src.rglob("*"):
-        if p.is_file():
-            rel = p.relative_to(src)
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            if str(rel) in copy:
-                (dst / rel).write_bytes(p.read_bytes())
-            else:
-                (dst / rel).symlink_to(p)
-    return dst
-
-
 def test_truncated_shard_names_the_file_and_tensor_and_the_cli_exits_2(micro_checkpoint, micro_cfg, tmp_path, monkeypatch):
     """A shard cut short by one byte, a header whose last tensor ends past the file, and a shard
     that shrinks after validation: each is a CheckpointError naming the file and the tensor."""

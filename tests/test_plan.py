@@ -180,6 +180,17 @@ def test_a_plan_that_does_not_fit_exits_2_naming_the_numbers(monkeypatch, capsys
     assert "the rank has 24.00 GiB" in err
 
 
+def test_cpu_target_counts_the_engram_tables_in_its_memory(monkeypatch, capsys):
+    """On the cpu target the host is the rank: the 2 x 384M-row engram tables are in its memory."""
+    assert run_cli(monkeypatch, "plan", "--config", "v4.1-flash") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    need = float(err.split("needs at least ")[1].split(" GiB")[0])
+    model = load_config("v4.1-flash")[0]
+    w = P.weight_bytes(model, P.Parallel(1, 1), _spec(model))[0]
+    assert w[P.HOST] / 2**30 > 180 and need >= (P.device_bytes(w) + w[P.HOST]) / 2**30 - 0.01, err
+    assert "the cpu target is this one host" in err and "--tp" not in err.split("GiB;")[-1], err
+
+
 def test_cpu_target_takes_one_rank_and_no_instance(monkeypatch, capsys):
     assert run_cli(monkeypatch, "plan", "--config", "micro", "--instance", "trn2.48xlarge") == 2
     assert "--instance trn2.48xlarge: goes with --target neuron" in capsys.readouterr().err
