@@ -494,7 +494,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """The lightning indexer of an index-source layer (model.py Indexer): FP4-simulated query heads
     against one FP4-simulated key per compressed position, scores `sum_h relu(q_h.k) * w_h` in bf16
-    via `torch.ops.dsneuron.mqa_logits_bf16`, causal mask, optional candidate-block filter, top-k."""
+    via `torch.ops.dsneuron.mqa_logits_bf16` (indexer mode "kernel": `fp4_index_scores`), causal
+    mask, optional candidate-block filter, top-k."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
