@@ -145,8 +145,7 @@ def compile_cmd(
     from dsneuron.compiler import compile as pipeline
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
-    from dsneuron.compiler.config import checkpoint_config, load_config
-    from dsneuron.graphs.config import INDEXER_MODES
+    from dsneuron.compiler.config import check_indexer, checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
     if hlo_only:  # fail fast, before reading anything
@@ -175,9 +174,7 @@ def compile_cmd(
             checkpoint, max_seq_len, _int_list(batch_sizes, "--batch-sizes"), _int_list(prefill_lens, "--prefill-lens"),
             _int_list(decode_lens, "--decode-lens"))
     if indexer is not None:
-        if indexer not in INDEXER_MODES:
-            raise UserError(f"--indexer: must be one of {', '.join(INDEXER_MODES)} (got {indexer!r})")
-        compile_cfg = dataclasses.replace(compile_cfg, indexer=indexer)
+        compile_cfg = dataclasses.replace(compile_cfg, indexer=check_indexer(indexer, "--indexer"))
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)

@@ -55,9 +55,7 @@ class CompileConfig:
                     raise ConfigError(f"{where}.checkpoint: expected a path string or null")
                 values[name] = raw[name]
             elif name == "indexer":
-                if raw[name] not in INDEXER_MODES:
-                    raise ConfigError(f"{where}.indexer: must be one of {list(INDEXER_MODES)} (got {raw[name]!r})")
-                values[name] = raw[name]
+                values[name] = check_indexer(raw[name], f"{where}.indexer")
             else:
                 values[name] = _coerce(raw[name], f.type, f"{where}.{name}")
         cfg = cls(**values)
@@ -73,6 +71,13 @@ class CompileConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def check_indexer(value: Any, where: str) -> str:
+    """`value` if it is an indexer mode (graphs.config.INDEXER_MODES); else ConfigError naming `where`."""
+    if value not in INDEXER_MODES:
+        raise ConfigError(f"{where}: must be one of {', '.join(INDEXER_MODES)} (got {value!r})")
+    return value
 
 
 def resolve_config_path(name: str) -> Path:
