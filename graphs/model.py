@@ -70,8 +70,9 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_float, ue8m0_to_float
 
 from .config import INDEXER_MODES, ModelConfig
-from .quant import (GEMM_ORDERS, act_quant_qdq, dequant_fp4_weight, dequant_fp8_weight, experts_linear,
-                    fp4_act_quant_qdq, fp4_operand_bytes, fp8_linear, linear_fp32)
+from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, dequant_fp4_weight,
+                    dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq, fp4_operand_bytes,
+                    fp8_linear, linear_fp32, quantize_state, window_format)
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -208,6 +209,27 @@ def fp4_qdq(x: torch.Tensor, block: int, scale_fmt: str) -> torch.Tensor:
     from dsneuron.kernels_nki import cpu_gemm
 
     return cpu_gemm.fp4_act_dequant(x, block, scale_fmt).to(x.dtype)
+
+
+def state_bytes(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """x [..., K] bf16/fp32 before its QDQ -> the cache rows uint8 [..., fmt.row_bytes(K)] that hold
+    its QDQ (`quant.quantize_state`); in GEMM order "kernel" as one cpu kernel call, bit-identical
+    (kernels_nki/cpu_gemm.py `state_quant`)."""
+    if NUMERICS.gemm_order != "kernel":
+        return quantize_state(x, fmt)
+    from dsneuron.kernels_nki import cpu_gemm
+
+    return cpu_gemm.state_quant(x, fmt.block, fmt.elem, fmt.scale)
+
+
+def state_values(b: torch.Tensor, K: int, fmt: StateFormat) -> torch.Tensor:
+    """Cache rows uint8 [..., fmt.row_bytes(K)] -> their values bf16 [..., K], exact
+    (`quant.dequantize_state`; GEMM order "kernel": cpu_gemm.py `state_dequant`)."""
+    if NUMERICS.gemm_order != "kernel":
+        return dequantize_state(b, K, fmt).to(torch.bfloat16)
+    from dsneuron.kernels_nki import cpu_gemm
+
+    return cpu_gemm.state_dequant(b, K, fmt.block, fmt.elem, fmt.scale)
 
 
 def _plain_fmt(owner: nn.Module, prefix: str) -> str:
@@ -510,13 +532,15 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.norm_eps)
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Index keys bf16 [B,G,ihd] from the pre-RoPE latent [B,G,hd] at the groups' positions."""
+        """Index keys from the pre-RoPE latent [B,G,hd] at the groups' positions, as the cache rows
+        that hold their FP4 QDQ (e2m1 x UE8M0 per 32): uint8 [B,G,ihd/2 + ihd/32]."""
         k = self.k_norm(self.wk(latent))
         k = with_rope_tail(k, self.cfg.rope_head_dim, cos, sin)
-        return fp4_qdq(k, 32, "ue8m0")
+        return state_bytes(k, INDEX_K_FORMAT)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, index_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """bf16 [B,S,T]: raw index scores of every query against every key slot of index_k [B,T,ihd]."""
+        """bf16 [B,S,T]: raw index scores of every query against every key slot of index_k, the
+        cache rows uint8 [B,T,ihd/2 + ihd/32] (`keys`)."""
         cfg = self.cfg
         q = self.wq_b(qr).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = with_rope_tail(q, cfg.rope_head_dim, cos, sin)
@@ -524,24 +548,27 @@ class Indexer(nn.Module):
         w = self.weights_proj(x) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         if NUMERICS.indexer == "kernel":
             return fp4_index_scores(q, index_k, w)
-        return torch.ops.dsneuron.mqa_logits_bf16(q, index_k, w)
+        k = state_values(index_k, cfg.index_head_dim, INDEX_K_FORMAT)
+        return torch.ops.dsneuron.mqa_logits_bf16(q, k, w)
 
 
 def fp4_index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The indexer's scores through the FP4 MQA-logits op (indexer mode "kernel").
 
-    q: [B,S,H,D] and index_k: [B,T,D], bf16 holding FP4-QDQ'd values (e2m1 times a UE8M0 scale per
-    32 elements); w: [B,S,H] bf16 head weights. Returns bf16 [B,S,T]: bf16(sum_h relu(q_h . k) * w_h)
+    q: [B,S,H,D] bf16 holding FP4-QDQ'd values (e2m1 times a UE8M0 scale per 32 elements);
+    index_k: the cache rows uint8 [B,T,D/2 + D/32] (packed e2m1, then UE8M0 exponent bytes:
+    `quant.INDEX_K_FORMAT`, the op's operand format); w: [B,S,H] bf16 head weights. Returns bf16 [B,S,T]: bf16(sum_h relu(q_h . k) * w_h)
     with the dot products and the head sum in fp32 (`torch.ops.dsneuron.mqa_logits`), where the
-    official expression rounds each head's dot and product to bf16 (`mqa_logits_bf16`). The operands
-    are re-encoded as the bytes that hold them (`quant.fp4_operand_bytes`, exact); the batch becomes one
+    official expression rounds each head's dot and product to bf16 (`mqa_logits_bf16`). The keys are
+    the stored bytes; q is re-encoded as the bytes that hold it (`quant.fp4_operand_bytes`, exact);
+    the batch becomes one
     row list over the batch's keys, each row's range [b*T, b*T + T) its own sequence's.
     Source: seeds/003 fp8_fp4_mqa_logits (DeepGEMM); DeepSeek-V4.1-Flash:inference/model.py Indexer.
     """
-    B, S, H, _ = q.shape
+    B, S, H, D = q.shape
     T = index_k.shape[1]
     q_codes, q_sf = fp4_operand_bytes(q)
-    k_codes, k_sf = fp4_operand_bytes(index_k)
+    k_codes, k_sf = index_k[..., :D // 2], index_k[..., D // 2:]
     starts = (torch.arange(B * S, device=q.device) // S * T).to(torch.int32)
     logits = torch.ops.dsneuron.mqa_logits(q_codes.flatten(0, 1), q_sf.flatten(0, 1), k_codes.flatten(0, 1),
                                            k_sf.flatten(0, 1), w.flatten(0, 1), starts, starts + T, T)
@@ -596,10 +623,12 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, layer_id)
 
     # -------------------------------------------------------------- window
-    def _window(self, kv: torch.Tensor, ctx: StepInputs, state: dict, new: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes this layer's ring and returns (keys [B,N,hd], window index list int32 [B,S,W])."""
+    def _window(self, kv: torch.Tensor, kv_raw: torch.Tensor, ctx: StepInputs, state: dict, new: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes this layer's ring (the rows of kv_raw [B,S,hd], before its FP8 QDQ, as bytes) and
+        returns (keys bf16 [B,N,hd], window index list int32 [B,S,W]); kv is kv_raw's QDQ."""
         B, S, hd = kv.shape
         W = self.cfg.window_size
+        fmt = window_format(self.cfg.fp8_block_size)
         name = f"layers.{self.layer_id}.window_kv"
         slots = torch.arange(W, device=kv.device)
         if ctx.prefill:
@@ -607,15 +636,17 @@ class Attention(nn.Module):
             last = ctx.valid_len.unsqueeze(1) - 1  # [B,1]
             src = slots + W * torch.div(last - slots, W, rounding_mode="floor")
             live = (src >= 0).unsqueeze(-1)
-            ring = kv.gather(1, src.clamp(0, S - 1).unsqueeze(-1).expand(B, W, hd))
+            ring = state_bytes(kv_raw.gather(1, src.clamp(0, S - 1).unsqueeze(-1).expand(B, W, hd)), fmt)
             new[name] = torch.where(live, ring, torch.zeros_like(ring))
             # query i sees positions max(0, i-W+1) .. i of this call, oldest first (get_window_topk_idxs)
             q_pos = torch.arange(S, device=kv.device).unsqueeze(1)
             idx = (q_pos - W + 1).clamp(min=0) + slots
             idx = torch.where(idx > q_pos, -1, idx)
             return kv, idx.to(torch.int32).unsqueeze(0).expand(B, S, W)
-        ring = torch.where((slots == (ctx.pos % W).unsqueeze(1)).unsqueeze(-1), kv, state[name])
+        # the new row decodes to kv, the others to what they held: the ring's values stay exact
+        ring = torch.where((slots == (ctx.pos % W).unsqueeze(1)).unsqueeze(-1), state_bytes(kv_raw, fmt), state[name])
         new[name] = ring
+        ring = state_values(ring, hd, fmt)
         # the whole ring, oldest first; slots not yet written (ring still filling) are -1
         p = ctx.pos.unsqueeze(1)
         idx = (p % W + 1 + slots) % W
@@ -652,13 +683,15 @@ class Attention(nn.Module):
                 new[ik_name] = self._write(state[ik_name], k, write, slot0)
                 shared["index_k"] = new[ik_name]
             latent = with_rope_tail(latent, cfg.rope_head_dim, gcos, gsin)
-            # compressed KV: FP4 e2m1 with one e4m3 scale per 16 channels (model.py _compress_kv)
-            latent = fp4_qdq(latent, 16, "e4m3")
-            _cap(cap, f"layers.{L}.compress_kv.entry", latent)
-            new[ckv_name] = self._write(state[ckv_name], latent, write, slot0)
+            # compressed KV: FP4 e2m1 with one e4m3 scale per 16 channels (model.py _compress_kv),
+            # stored as those bytes
+            rows = state_bytes(latent, COMPRESS_KV_FORMAT)
+            if cap is not None:
+                _cap(cap, f"layers.{L}.compress_kv.entry", state_values(rows, cfg.head_dim, COMPRESS_KV_FORMAT))
+            new[ckv_name] = self._write(state[ckv_name], rows, write, slot0)
             shared["compress_kv"] = new[ckv_name]
         T = S // r if ctx.prefill else shared["compress_kv"].size(1)
-        compress_kv = leading(shared["compress_kv"], T)
+        compress_kv = state_values(leading(shared["compress_kv"], T), cfg.head_dim, COMPRESS_KV_FORMAT)
         if self.is_index_source:
             idx = self._select(x, qr, ctx, T, offset, shared)
             shared["topk_idxs"] = idx
@@ -736,11 +769,11 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (cfg.n_heads, hd))
         q = with_rope_tail(q, rd, cos, sin)
         kv = self.kv_norm(self.wkv(x))
-        kv = with_rope_tail(kv, rd, cos, sin)
+        kv_raw = with_rope_tail(kv, rd, cos, sin)
         # window KV: FP8 over the whole post-RoPE vector, RoPE tail included (model.py _window_kv)
-        kv = fp8_qdq(kv, cfg.fp8_block_size)
+        kv = fp8_qdq(kv_raw, cfg.fp8_block_size)
         _cap(ctx.capture, f"layers.{L}.attn.window_kv", kv)
-        keys, idx = self._window(kv, ctx, state, new)
+        keys, idx = self._window(kv, kv_raw, ctx, state, new)
         if self.ratio:
             ckv, cidx = self._compressed(x, qr, ctx, keys.size(1), state, new, shared)
             keys = torch.cat([keys, ckv], dim=1)

@@ -31,6 +31,8 @@ Decisions the sources leave open, and why:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dsneuron.kernels_nki.formats import (
@@ -40,6 +42,7 @@ from dsneuron.kernels_nki.formats import (
     as_uint8,
     copysign,
     e4m3_round,
+    e4m3_to_bytes,
     e4m3_to_float,
     float_to_ue8m0,
     fp4_codes_to_float,
@@ -47,6 +50,7 @@ from dsneuron.kernels_nki.formats import (
     pack_fp4_bytes,
     pow2,
     signbit,
+    ue8m0_to_bytes,
     ue8m0_to_float,
     unpack_fp4,
 )
@@ -272,8 +276,73 @@ def fp4_operand_bytes(v: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, t
     Source: the operand format of DeepGEMM fp8_fp4_mqa_logits (seeds/003, module docstring).
     """
     codes, s = fp4_quantize(v, block, "ue8m0")
-    exponent = torch.log2(s).round().to(torch.int32) + 127
-    return pack_fp4_bytes(codes), exponent.to(torch.uint8)
+    return pack_fp4_bytes(codes), ue8m0_to_bytes(s)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How a decode-state cache stores one row of K values: `elem` codes ("e4m3": one byte each;
+    "e2m1": two per byte, even element in the low nibble), then one `scale` byte per `block`
+    elements ("ue8m0": the exponent byte; "e4m3": the e4m3fn byte), so a row is
+    `row_bytes(K)` uint8 [codes | scales], the per-token layout of FlashMLA's FP8 KV cache and
+    of DeepGEMM's paged MQA-logits cache (seeds/003). The quantizer is the reference's QDQ of
+    that cache, so decoding a row gives exactly the QDQ'd values the bf16 state held.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv` (FP8, UE8M0 per
+    fp8_block_size), `Attention._compress_kv` (FP4, e4m3 per 16), `Indexer.forward` (FP4, UE8M0
+    per 32)."""
+
+    elem: str
+    block: int
+    scale: str
+
+    def code_bytes(self, K: int) -> int:
+        """Bytes of a row's codes."""
+        return K if self.elem == "e4m3" else K // 2
+
+    def row_bytes(self, K: int) -> int:
+        """Bytes of a row of K values: codes, then K / block scale bytes."""
+        return self.code_bytes(K) + K // self.block
+
+
+#: the compressed KV and the indexer keys (model.py `Attention._compress_kv`, `Indexer.forward`);
+#: the window KV's block is the config's fp8_block_size (`window_format`)
+COMPRESS_KV_FORMAT = StateFormat("e2m1", 16, "e4m3")
+INDEX_K_FORMAT = StateFormat("e2m1", 32, "ue8m0")
+
+
+def window_format(fp8_block_size: int) -> StateFormat:
+    """The window KV's format: FP8 e4m3 with one UE8M0 scale per fp8_block_size (model.py `_window_kv`)."""
+    return StateFormat("e4m3", fp8_block_size, "ue8m0")
+
+
+def quantize_state(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """x [..., K] float32/bfloat16 (before its QDQ) -> uint8 [..., fmt.row_bytes(K)]: the codes and
+    scales that `act_quant_qdq(x, block)` ("e4m3") or `fp4_act_quant_qdq(x, block, scale)`
+    ("e2m1") round x to, so `dequantize_state` of the result equals that QDQ bit for bit.
+    Raises ValueError as those quantizers do."""
+    if fmt.elem == "e4m3":
+        q, s = act_quant_values(x, fmt.block, "quantize_state")
+        codes = e4m3_to_bytes(q)
+    else:
+        v, s = _fp4_scaled(x, fmt.block, fmt.scale, "quantize_state")
+        codes = pack_fp4_bytes(_e2m1_encode(_e2m1_round(v)).flatten(-2))
+        s = s.squeeze(-1)
+    scales = ue8m0_to_bytes(s) if fmt.scale == "ue8m0" else e4m3_to_bytes(s)
+    return torch.cat([codes, scales], dim=-1)
+
+
+def dequantize_state(b: torch.Tensor, K: int, fmt: StateFormat) -> torch.Tensor:
+    """uint8 [..., fmt.row_bytes(K)] (`quantize_state`) -> fp32 [..., K], exact. A fresh (all-zero)
+    row decodes to +0.0. Raises ValueError when the last dim is not fmt.row_bytes(K)."""
+    if b.dtype != torch.uint8 or b.shape[-1] != fmt.row_bytes(K):
+        raise ValueError(f"dequantize_state: expected uint8 rows of {fmt.row_bytes(K)} bytes for K = {K}, "
+                         f"got {b.dtype} {tuple(b.shape)}")
+    n = fmt.code_bytes(K)
+    codes, scales = b[..., :n], b[..., n:]
+    # e2m1: one gather through the byte -> (low, high) value table, as `dequant_fp4_weight`
+    values = e4m3_to_float(codes) if fmt.elem == "e4m3" else _fp4_byte_table(b.device)[codes.long()].flatten(-2)
+    s = ue8m0_to_float(scales) if fmt.scale == "ue8m0" else e4m3_to_float(scales)
+    return _scale_blocks(values, s, fmt.block)
 
 
 def fp4_quantize_rtz(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,11 +11,16 @@ State layout (`state_layout`), all sized by batch B and context capacity M = max
 
 | name | shape | dtype | what |
 |---|---|---|---|
-| layers.L.window_kv | [B, W, head_dim] | bf16 | sliding-window ring, slot = position % W |
-| layers.L.compress_kv | [B, M // r, head_dim] | bf16 | kv-source L's compressed KV (FP4-simulated) |
-| layers.L.index_k | [B, M // r, index_head_dim] | bf16 | kv+index-source L's indexer keys (FP4-simulated) |
+| layers.L.window_kv | [B, W, hd + hd/fp8_block_size] | uint8 | sliding-window ring, slot = position % W: FP8 e4m3 x UE8M0 |
+| layers.L.compress_kv | [B, M // r, hd/2 + hd/16] | uint8 | kv-source L's compressed KV: FP4 e2m1 x e4m3 per 16 |
+| layers.L.index_k | [B, M // r, ihd/2 + ihd/32] | uint8 | kv+index-source L's indexer keys: FP4 e2m1 x UE8M0 per 32 |
 | layers.L.kv_state | [B, r, head_dim] | fp32 | ratio>1 source: tokens of the group being filled |
 | layers.L.score_state | [B, r, head_dim] | fp32 | their gate scores (-inf = slot empty) |
+
+hd = head_dim, ihd = index_head_dim. The three caches hold their values as the reference quantises
+them, one row per token (or compressed group): the codes, then one scale byte per block
+(graphs/quant.py `StateFormat`; e2m1 two to a byte, even element low; UE8M0 as its exponent byte).
+Decoding a row gives exactly the QDQ'd bf16 values the model computes with.
 
 The engram n-gram history is host state (the hasher keeps each row's last max_ngram-1 token ids).
 """
@@ -29,6 +34,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .model import Capture, Transformer, gemm_order, indexer_mode
+from .quant import COMPRESS_KV_FORMAT, INDEX_K_FORMAT, window_format
 
 
 def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -38,14 +44,17 @@ def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tu
     """
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for L in range(cfg.n_layers):
-        out[f"layers.{L}.window_kv"] = ((batch, cfg.window_size, cfg.head_dim), torch.bfloat16)
+        out[f"layers.{L}.window_kv"] = ((batch, cfg.window_size, window_format(cfg.fp8_block_size).row_bytes(cfg.head_dim)),
+                                        torch.uint8)
         r = cfg.compress_ratios[L]
         if L in cfg.kv_source_layers:
             if max_seq_len % r:
                 raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of compress ratio {r} (layer {L})")
-            out[f"layers.{L}.compress_kv"] = ((batch, max_seq_len // r, cfg.head_dim), torch.bfloat16)
+            out[f"layers.{L}.compress_kv"] = ((batch, max_seq_len // r, COMPRESS_KV_FORMAT.row_bytes(cfg.head_dim)),
+                                              torch.uint8)
             if L in cfg.index_source_layers:
-                out[f"layers.{L}.index_k"] = ((batch, max_seq_len // r, cfg.index_head_dim), torch.bfloat16)
+                out[f"layers.{L}.index_k"] = ((batch, max_seq_len // r, INDEX_K_FORMAT.row_bytes(cfg.index_head_dim)),
+                                              torch.uint8)
             if r > 1:
                 out[f"layers.{L}.kv_state"] = ((batch, r, cfg.head_dim), torch.float32)
                 out[f"layers.{L}.score_state"] = ((batch, r, cfg.head_dim), torch.float32)

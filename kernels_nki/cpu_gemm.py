@@ -228,6 +228,53 @@ def _fp4_act_dequant_fake(x, block, scale_fmt):
     return _act_dequant_fake("fp4_act_dequant", x, block)
 
 
+#: state formats of state_quant / state_dequant, by code: (element codes, scale bytes)
+STATE_FMTS = (("e4m3", "ue8m0"), ("e2m1", "ue8m0"), ("e2m1", "e4m3"))
+
+
+def state_quant(x: torch.Tensor, block: int, elem: str, scale: str) -> torch.Tensor:
+    """A decode-state cache row in one op (cpu/act_quant.cpp): x bf16/fp32 [..., K] -> uint8
+    [..., codes | K/block scale bytes], bit-identical to graphs.quant.quantize_state with that
+    format. Raises ValueError for another dtype, K % block != 0 or an unknown format."""
+    return torch.ops.dsneuron.state_quant(x, block, _state_fmt("state_quant", elem, scale))
+
+
+def state_dequant(b: torch.Tensor, K: int, block: int, elem: str, scale: str) -> torch.Tensor:
+    """`state_quant`'s rows uint8 [..., row bytes] -> bf16 [..., K], exact (graphs.quant.dequantize_state,
+    cast to bf16, which holds every such value). Raises ValueError for a wrong row width or format."""
+    return torch.ops.dsneuron.state_dequant(b, K, block, _state_fmt("state_dequant", elem, scale))
+
+
+def _state_fmt(fn: str, elem: str, scale: str) -> int:
+    if (elem, scale) not in STATE_FMTS:
+        raise ValueError(f"{fn}: (elem, scale) must be one of {STATE_FMTS}, got {(elem, scale)!r}")
+    return STATE_FMTS.index((elem, scale))
+
+
+def _state_row(fn: str, K: int, block: int, fmt: int) -> int:
+    if fmt not in range(len(STATE_FMTS)):
+        raise ValueError(f"{fn}: fmt must be 0, 1 or 2 {STATE_FMTS}, got {fmt}")
+    if block <= 0 or K <= 0 or K % block or (fmt and block % 2):
+        raise ValueError(f"{fn}: K must be a positive multiple of block (an even block for e2m1), got K = {K}, "
+                         f"block = {block}")
+    return (K if fmt == 0 else K // 2) + K // block
+
+
+@torch.library.register_fake("dsneuron::state_quant")
+def _state_quant_fake(x, block, fmt):
+    _act_dequant_fake("state_quant", x, block)
+    return x.new_empty((*x.shape[:-1], _state_row("state_quant", x.shape[-1], block, fmt)), dtype=torch.uint8)
+
+
+@torch.library.register_fake("dsneuron::state_dequant")
+def _state_dequant_fake(b, K, block, fmt):
+    row = _state_row("state_dequant", K, block, fmt)
+    if b.dtype != torch.uint8 or b.dim() < 1 or b.shape[-1] != row:
+        raise ValueError(f"state_dequant: b's last dimension must be {row} bytes for K = {K}, got {b.dtype} "
+                         f"{tuple(b.shape)}")
+    return b.new_empty((*b.shape[:-1], K), dtype=torch.bfloat16)
+
+
 def check_args(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, fmt: int, n: int,
                experts: int | None = None) -> None:
     """The C++ argument checks, on fake tensors too (experts: E of the stacked form, else None).

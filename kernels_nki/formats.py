@@ -111,6 +111,36 @@ def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
     return torch.where(b >= 0x80, -mag, mag)
 
 
+def e4m3_to_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values on the e4m3fn grid [...] (|x| <= 448, or NaN) -> their e4m3fn bytes uint8 [...].
+
+    A codec, not a quantizer: the values are already rounded (`e4m3_round`). Under `xla_spelling`
+    the bit fields are built with exact fp32/int arithmetic: below 2^-6 the subnormal code
+    |x| * 2^9, above it exponent field k + 7 and mantissa |x| / 2^(k-3) - 8 for the binade
+    2^k <= |x| < 2^(k+1); bit 7 is the sign (-0.0 gives 0x80), NaN gives 0x7F.
+    Raises ValueError unless x is fp32. Source: OCP 8-bit floating point spec v1.0 (E4M3).
+    """
+    if x.dtype != torch.float32:
+        raise ValueError(f"e4m3_to_bytes: expected float32, got {x.dtype}")
+    if not SPELLING.xla:
+        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+    mag = x.abs()
+    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
+    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
+    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
+    k = torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
+    normal = ((k + 7) << 3) + (mag / pow2(k - 3)).to(torch.int32) - 8
+    code = torch.where(mag < 2.0**-6, (mag * 512.0).to(torch.int32), normal)
+    code = torch.where(mag.isnan(), 0x7F, code)
+    return (code + 0x80 * signbit(x).to(torch.int32)).to(torch.uint8)
+
+
+def ue8m0_to_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Exact powers of two fp32 [...] in [2^-126, 2^127] -> their UE8M0 exponent bytes uint8 [...]
+    (log2 of an exact power of two, rounded: no bit view, so the xla spelling runs it too)."""
+    return (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8)
+
+
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 [...] with |x| <= 448 (or NaN) -> fp32 [...] on the e4m3fn grid, round to nearest, ties
     to even: `x.to(float8_e4m3fn).float()`.

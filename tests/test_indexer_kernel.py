@@ -19,7 +19,7 @@ from dsneuron.compiler.lower import custom_ops_in, finish, inline_mode
 from dsneuron.compiler.model_steps import GraphsStepFactory, build_model_parts
 from dsneuron.graphs.config import ConfigError
 from dsneuron.graphs.model import fp4_index_scores, indexer_mode
-from dsneuron.graphs.quant import fp4_act_quant_qdq, fp4_operand_bytes
+from dsneuron.graphs.quant import INDEX_K_FORMAT, fp4_act_quant_qdq, fp4_operand_bytes, quantize_state
 from dsneuron.kernels_nki.formats import E2M1_VALUES, dequantize_e2m1, xla_spelling
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_kernel_ref, mqa_logits_ref
 from dsneuron.kernels_nki.neuron_adapters import call_mqa_logits
@@ -87,7 +87,7 @@ def test_kernel_scores_are_the_exact_score_rounded_once(seed):
     q, k, w = _indexer_inputs(seed)
     exact = np.einsum("bshd,btd->bsht", q.double().numpy(), k.double().numpy())
     exact = (np.maximum(exact, 0) * w.double().numpy()[..., None]).sum(2)
-    got = fp4_index_scores(q, k, w)
+    got = fp4_index_scores(q, quantize_state(k, INDEX_K_FORMAT), w)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 37, 29)
     # FP4 x FP4 products and their 128-term sums are exact in fp32 at these magnitudes, so the one
     # rounding is the bf16 cast of the fp32 head sum: at most one bf16 step from the exact value
@@ -110,6 +110,7 @@ def test_the_kernel_convention_reference_behind_the_adapter_is_the_op():
 
 def test_kernel_scores_keep_each_sequence_to_its_own_keys():
     q, k, w = _indexer_inputs(2, B=3)
+    k = quantize_state(k, INDEX_K_FORMAT)  # the cache rows the op reads
     both = fp4_index_scores(q, k, w)
     for b in range(3):
         assert torch.equal(both[b], fp4_index_scores(q[b:b + 1], k[b:b + 1], w[b:b + 1])[0])

@@ -303,7 +303,7 @@ def test_decode_window_index_list_is_the_ring_oldest_first(golden):
         state = init_state(golden.cfg, 1, 64)
         ctx = golden.model.inputs(1, torch.tensor([[p]]), None, torch.tensor([p]))
         kv = torch.zeros(1, 1, golden.cfg.head_dim, dtype=torch.bfloat16)
-        _, idx = att._window(kv, ctx, state, {})
+        _, idx = att._window(kv, kv, ctx, state, {})
         o = p % W + 1
         ref = [(o + k) % W for k in range(W)]
         ref = [-1 if r > p else r for r in ref]

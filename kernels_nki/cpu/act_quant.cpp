@@ -20,6 +20,12 @@
 //         even code, sign kept (-0 for small negatives)
 // Source: DeepSeek-V4.1-Flash:inference/model.py `Indexer.forward`, `Attention._compress_kv`
 // (fp4_act_quant); DeepSeek-V4-Pro:inference/kernel.py `fp4_quant_kernel`.
+//
+// dsneuron::state_quant / state_dequant: the decode state's caches as bytes (graphs/quant.py
+// `quantize_state` / `dequantize_state`, bit for bit): a row of K values is its codes (e4m3: one
+// byte each; e2m1: two per byte, even element low) then one scale byte per block (UE8M0 exponent
+// byte, or the e4m3 byte of an e4m3 scale); fmt 0 = e4m3 x UE8M0, 1 = e2m1 x UE8M0, 2 = e2m1 x e4m3.
+// The codes are those of the QDQs above, so dequantising gives the QDQ'd values, which bf16 holds.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -242,15 +248,156 @@ Tensor fp8_act_dequant(Tensor x_in, int64_t block) {
   return out;
 }
 
+// e4m3fn byte of an fp32 value on the e4m3 grid (|v| <= 448 or NaN)
+inline uint8_t e4m3_byte(float v) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fabs(v);
+  if (a != a) return sign | 0x7F;
+  if (a < 0.015625f) return sign | uint8_t(a * 512.0f);  // subnormal: a multiple of 2^-9
+  const uint32_t u = bits(a);
+  return sign | uint8_t(((int32_t((u >> 23) & 0xFFu) - 127 + 7) << 3) | ((u >> 20) & 7u));
+}
+
+// e2m1 code of an e2m1 value (signed, -0 included): bit 3 the sign
+inline uint8_t e2m1_code(float r) {
+  const float a = std::fabs(r);
+  const float m = a < 2.0f ? a * 2.0f : a < 4.0f ? a + 2.0f : a * 0.5f + 4.0f;
+  return uint8_t(m) | (std::signbit(r) ? 8 : 0);
+}
+
+struct StateFmt {
+  bool fp8;         // e4m3 codes (else e2m1)
+  bool ue8m0;       // UE8M0 scale bytes (else e4m3 scale bytes)
+  int64_t code_bytes(int64_t K) const { return fp8 ? K : K / 2; }
+};
+
+StateFmt state_fmt(const char* op, int64_t fmt) {
+  DSN_CHECK(fmt >= 0 && fmt <= 2, op, ": fmt must be 0 (e4m3 x ue8m0), 1 (e2m1 x ue8m0) or 2 (e2m1 x e4m3), got ", fmt);
+  return StateFmt{fmt == 0, fmt != 2};
+}
+
+// one block of x -> its codes (at codes, e4m3: block bytes, e2m1: block / 2) and its scale byte
+template <class T>
+void state_block(const T* x, uint8_t* codes, uint8_t* scale, int64_t block, StateFmt f) {
+  const float amax = block_amax(x, block);
+  float s;
+  if (f.fp8) {
+    s = ue8m0(amax);
+  } else if (f.ue8m0) {
+    s = ue8m0_ceil((amax < kFp4Ue8m0Floor ? kFp4Ue8m0Floor : amax) * kInvE2m1Max);
+  } else {
+    float r = (amax < kFp4E4m3Floor ? kFp4E4m3Floor : amax) / kE2m1Max;
+    s = e4m3(r > kE4m3Max ? kE4m3Max : r);
+  }
+  *scale = f.ue8m0 ? uint8_t((bits(s) >> 23) & 0xFFu) : e4m3_byte(s);
+  const float lim = f.fp8 ? kE4m3Max : kE2m1Max;
+  for (int64_t i = 0; i < block; ++i) {
+    float v = to_float(x[i]) / s;
+    v = v < -lim ? -lim : v > lim ? lim : v;  // NaN passes
+    if (f.fp8) {
+      codes[i] = e4m3_byte(e4m3(v));
+    } else {
+      const uint8_t c = e2m1_code(e2m1(v));
+      codes[i / 2] = (i & 1) ? uint8_t(codes[i / 2] | (c << 4)) : c;
+    }
+  }
+}
+
+Tensor state_quant(Tensor x_in, int64_t block, int64_t fmt) {
+  const char* op = "state_quant";
+  const int64_t K = check_x(op, x_in, block);
+  const StateFmt f = state_fmt(op, fmt);
+  DSN_CHECK(f.fp8 || block % 2 == 0, op, ": an e2m1 block must be even, got ", block);
+  const Tensor x = x_in.is_contiguous() ? x_in : torch::stable::contiguous(x_in);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  const int64_t row = f.code_bytes(K) + K / block;
+  shape.back() = row;
+  Tensor out = torch::stable::new_empty(x, shape, ST::Byte);
+  const int64_t rows = K ? x.numel() / K : 0;
+  uint8_t* o = static_cast<uint8_t*>(out.mutable_data_ptr());
+  const bool bf16 = x.scalar_type() == ST::BFloat16;
+  const void* p = x.const_data_ptr();
+  torch::stable::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t j = 0; j < K / block; ++j) {
+        uint8_t* codes = o + r * row + f.code_bytes(j * block);
+        uint8_t* scale = o + r * row + f.code_bytes(K) + j;
+        if (bf16)
+          state_block(static_cast<const uint16_t*>(p) + r * K + j * block, codes, scale, block, f);
+        else
+          state_block(static_cast<const float*>(p) + r * K + j * block, codes, scale, block, f);
+      }
+  });
+  return out;
+}
+
+// the value of an e4m3fn byte (exact)
+inline float e4m3_value(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  float a = e ? std::ldexp(float(8 + m), e - 10) : float(m) * (1.0f / 512.0f);
+  if (e == 15 && m == 7) a = NAN;
+  return (b & 0x80) ? -a : a;
+}
+
+// fp32 -> bf16 bits, round to nearest even (exact for the values decoded here); NaN kept quiet
+inline uint16_t bf16_bits(float x) {
+  const uint32_t u = bits(x);
+  if (x != x) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+Tensor state_dequant(Tensor b_in, int64_t K, int64_t block, int64_t fmt) {
+  const char* op = "state_dequant";
+  const StateFmt f = state_fmt(op, fmt);
+  DSN_CHECK(b_in.scalar_type() == ST::Byte, op, ": b must be a uint8 tensor, got ", torch::headeronly::toString(b_in.scalar_type()));
+  DSN_CHECK(b_in.dim() >= 1, op, ": b must have a last dimension, got a 0-dim tensor");
+  DSN_CHECK(block > 0 && K > 0 && K % block == 0 && (f.fp8 || block % 2 == 0), op,
+            ": K must be a positive multiple of block (an even block for e2m1), got K = ", K, ", block = ", block);
+  const int64_t row = f.code_bytes(K) + K / block;
+  DSN_CHECK(b_in.size(b_in.dim() - 1) == row, op, ": b's last dimension must be ", row, " bytes for K = ", K,
+            ", got ", b_in.size(b_in.dim() - 1));
+  const Tensor b = b_in.is_contiguous() ? b_in : torch::stable::contiguous(b_in);
+  std::vector<int64_t> shape(b.sizes().begin(), b.sizes().end());
+  shape.back() = K;
+  Tensor out = torch::stable::new_empty(b, shape, ST::BFloat16);
+  const int64_t rows = b.numel() / row;
+  float e4m3_lut[256];
+  for (int i = 0; i < 256; ++i) e4m3_lut[i] = e4m3_value(uint8_t(i));
+  static const float e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const uint8_t* in = static_cast<const uint8_t*>(b.const_data_ptr());
+  uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
+  torch::stable::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* codes = in + r * row;
+      const uint8_t* scales = codes + f.code_bytes(K);
+      for (int64_t j = 0; j < K / block; ++j) {
+        const uint8_t sb = scales[j];
+        // UE8M0: 2^(byte - 127); byte 0 is 2^-127 (an fp32 subnormal), 255 NaN
+        const float s = f.ue8m0 ? (sb == 255 ? NAN : sb == 0 ? 0x1p-127f : from_bits(uint32_t(sb) << 23)) : e4m3_lut[sb];
+        for (int64_t i = j * block; i < (j + 1) * block; ++i) {
+          const float v = f.fp8 ? e4m3_lut[codes[i]] : e2m1_lut[(codes[i / 2] >> ((i & 1) * 4)) & 0xF];
+          o[r * K + i] = bf16_bits(v * s);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace dsn
 
 STABLE_TORCH_LIBRARY_FRAGMENT(DSN_NS, m) {
   m.def("fp8_act_dequant(Tensor x, int block) -> Tensor");
   m.def("fp4_act_dequant(Tensor x, int block, int scale_fmt) -> Tensor");
+  m.def("state_quant(Tensor x, int block, int fmt) -> Tensor");
+  m.def("state_dequant(Tensor b, int K, int block, int fmt) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(DSN_NS, CPU, m) {
   m.impl("fp8_act_dequant", TORCH_BOX(&dsn::fp8_act_dequant));
   m.impl("fp4_act_dequant", TORCH_BOX(&dsn::fp4_act_dequant));
+  m.impl("state_quant", TORCH_BOX(&dsn::state_quant));
+  m.impl("state_dequant", TORCH_BOX(&dsn::state_dequant));
 }
