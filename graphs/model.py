@@ -514,8 +514,8 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of an index-source layer (model.py Indexer): FP4-simulated query heads
-    against one FP4-simulated key per compressed position, scores `sum_h relu(q_h.k) * w_h` in bf16
+    """The lightning indexer of an index-source layer (model.py Indexer): FP4-QDQ'd query heads
+    against one FP4 key per compressed position (the state's `index_k` bytes), scores `sum_h relu(q_h.k) * w_h` in bf16
     via `torch.ops.dsneuron.mqa_logits_bf16` (indexer mode "kernel": `fp4_index_scores`), causal
     mask, optional candidate-block filter, top-k."""
 
