@@ -568,7 +568,8 @@ def fp4_index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) ->
     B, S, H, D = q.shape
     T = index_k.shape[1]
     q_codes, q_sf = fp4_operand_bytes(q)
-    k_codes, k_sf = index_k[..., :D // 2], index_k[..., D // 2:]
+    n = INDEX_K_FORMAT.code_bytes(D)
+    k_codes, k_sf = index_k[..., :n], index_k[..., n:]
     starts = (torch.arange(B * S, device=q.device) // S * T).to(torch.int32)
     logits = torch.ops.dsneuron.mqa_logits(q_codes.flatten(0, 1), q_sf.flatten(0, 1), k_codes.flatten(0, 1),
                                            k_sf.flatten(0, 1), w.flatten(0, 1), starts, starts + T, T)

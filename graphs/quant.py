@@ -324,9 +324,8 @@ def quantize_state(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
         q, s = act_quant_values(x, fmt.block, "quantize_state")
         codes = e4m3_to_bytes(q)
     else:
-        v, s = _fp4_scaled(x, fmt.block, fmt.scale, "quantize_state")
-        codes = pack_fp4_bytes(_e2m1_encode(_e2m1_round(v)).flatten(-2))
-        s = s.squeeze(-1)
+        codes, s = fp4_quantize(x, fmt.block, fmt.scale)
+        codes = pack_fp4_bytes(codes)
     scales = ue8m0_to_bytes(s) if fmt.scale == "ue8m0" else e4m3_to_bytes(s)
     return torch.cat([codes, scales], dim=-1)
 

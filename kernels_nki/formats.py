@@ -125,10 +125,7 @@ def e4m3_to_bytes(x: torch.Tensor) -> torch.Tensor:
     if not SPELLING.xla:
         return x.to(torch.float8_e4m3fn).view(torch.uint8)
     mag = x.abs()
-    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
-    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
-    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
-    k = torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
+    k = _e4m3_binade(mag)
     normal = ((k + 7) << 3) + (mag / pow2(k - 3)).to(torch.int32) - 8
     code = torch.where(mag < 2.0**-6, (mag * 512.0).to(torch.int32), normal)
     code = torch.where(mag.isnan(), 0x7F, code)
@@ -139,6 +136,16 @@ def ue8m0_to_bytes(scale: torch.Tensor) -> torch.Tensor:
     """Exact powers of two fp32 [...] in [2^-126, 2^127] -> their UE8M0 exponent bytes uint8 [...]
     (log2 of an exact power of two, rounded: no bit view, so the xla spelling runs it too)."""
     return (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8)
+
+
+def _e4m3_binade(mag: torch.Tensor) -> torch.Tensor:
+    """int32 k = floor(log2 mag) for mag fp32 >= 0, held in the e4m3 range [-6, 8] (below 2^-6 the
+    subnormal quantum 2^-9 applies; NaN gives 8), corrected by exact comparisons with `pow2`
+    (log2 may be an ulp off next to a power of two)."""
+    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
+    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
+    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
+    return torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
 
 
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
@@ -156,14 +163,7 @@ def e4m3_round(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"e4m3_round: expected float32, got {x.dtype}")
     if not SPELLING.xla:
         return x.to(torch.float8_e4m3fn).float()
-    mag = x.abs()
-    # the binade k = floor(log2 |x|), corrected by exact comparisons (log2 may be an ulp off next
-    # to a power of two), held in the e4m3 range: below 2^-6 the subnormal quantum 2^-9 applies
-    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
-    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
-    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
-    k = torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
-    quantum = pow2(k - 3)
+    quantum = pow2(_e4m3_binade(x.abs()) - 3)
     return torch.round(x / quantum) * quantum
 
 
