@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from dsneuron.graphs.quant import dequantize_state
+from dsneuron.graphs.steps import state_format
 from dsneuron.kernels_nki.neuron_adapters import NkiBinding, call_mqa_logits, call_sparse_attn
 
 from dsneuron.runtime_min.schema import BundleError
@@ -286,6 +288,18 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, work: Path, prefill_le
     require_torch_xla().sync()
     got = [o.cpu() for o in outs]
     report.seconds = {"eager": t1 - t0, "export": t2 - t1, "trace": t3 - t2, "execute": time.perf_counter() - t3}
-    report.outputs = [agreement(n, o, w) for n, o, w in zip(graph.outputs, got, want)]
-    report.floor = [agreement(n, f, w) for n, f, w in zip(graph.outputs, floor, want)]
+    report.outputs = [state_agreement(cfg, n, o, w) for n, o, w in zip(graph.outputs, got, want)]
+    report.floor = [state_agreement(cfg, n, f, w) for n, f, w in zip(graph.outputs, floor, want)]
     return report
+
+
+def state_agreement(cfg: Any, name: str, got: torch.Tensor, want: torch.Tensor) -> Agreement:
+    """`agreement` of one output, with a byte-format state (graphs/steps.py `state_format`:
+    window_kv, compress_kv, index_k) compared by its decoded fp32 values: a pre-QDQ value one
+    fp32 rounding apart can land on the next FP8/FP4 code, which as bytes is a different integer
+    (no distance) and as a value is one quantisation step. Bit-identical bytes are bit-identical
+    values, so `bit_identical` keeps its meaning."""
+    fmt = state_format(cfg, name) if got.dtype == torch.uint8 else None
+    if fmt is None:
+        return agreement(name, got, want)
+    return agreement(name, dequantize_state(got, fmt[1], fmt[0]), dequantize_state(want, fmt[1], fmt[0]))

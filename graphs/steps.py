@@ -34,7 +34,21 @@ from torch import nn
 
 from .config import ModelConfig
 from .model import Capture, Transformer, gemm_order, indexer_mode
-from .quant import COMPRESS_KV_FORMAT, INDEX_K_FORMAT, window_format
+from .quant import COMPRESS_KV_FORMAT, INDEX_K_FORMAT, StateFormat, window_format
+
+
+def state_format(cfg: ModelConfig, name: str) -> tuple[StateFormat, int] | None:
+    """(format, K values per row) of the byte-format state tensor `name` ("layers.L.window_kv",
+    ".compress_kv", ".index_k"), None for the fp32 compressor state; decode its rows with
+    quant.dequantize_state(rows, K, format)."""
+    kind = name.rsplit(".", 1)[-1]
+    if kind == "window_kv":
+        return window_format(cfg.fp8_block_size), cfg.head_dim
+    if kind == "compress_kv":
+        return COMPRESS_KV_FORMAT, cfg.head_dim
+    if kind == "index_k":
+        return INDEX_K_FORMAT, cfg.index_head_dim
+    return None
 
 
 def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -43,18 +57,20 @@ def state_layout(cfg: ModelConfig, batch: int, max_seq_len: int) -> dict[str, tu
     Raises ValueError when max_seq_len is not a multiple of every compress ratio.
     """
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def rows(name: str, n: int) -> None:
+        fmt, K = state_format(cfg, name)
+        out[name] = ((batch, n, fmt.row_bytes(K)), torch.uint8)
+
     for L in range(cfg.n_layers):
-        out[f"layers.{L}.window_kv"] = ((batch, cfg.window_size, window_format(cfg.fp8_block_size).row_bytes(cfg.head_dim)),
-                                        torch.uint8)
+        rows(f"layers.{L}.window_kv", cfg.window_size)
         r = cfg.compress_ratios[L]
         if L in cfg.kv_source_layers:
             if max_seq_len % r:
                 raise ValueError(f"max_seq_len={max_seq_len} must be a multiple of compress ratio {r} (layer {L})")
-            out[f"layers.{L}.compress_kv"] = ((batch, max_seq_len // r, COMPRESS_KV_FORMAT.row_bytes(cfg.head_dim)),
-                                              torch.uint8)
+            rows(f"layers.{L}.compress_kv", max_seq_len // r)
             if L in cfg.index_source_layers:
-                out[f"layers.{L}.index_k"] = ((batch, max_seq_len // r, INDEX_K_FORMAT.row_bytes(cfg.index_head_dim)),
-                                              torch.uint8)
+                rows(f"layers.{L}.index_k", max_seq_len // r)
             if r > 1:
                 out[f"layers.{L}.kv_state"] = ((batch, r, cfg.head_dim), torch.float32)
                 out[f"layers.{L}.score_state"] = ((batch, r, cfg.head_dim), torch.float32)

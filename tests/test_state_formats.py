@@ -162,3 +162,25 @@ def test_the_models_state_holds_exactly_the_values_it_attends_over(micro_cfg, mi
             checked += 1
     assert checked == len(cfg.kv_source_layers)
     assert not math.isnan(float(ring.float().sum()))
+
+
+def test_the_xla_check_compares_byte_states_by_their_values(micro_cfg):
+    """compiler/xla_check.py `state_agreement`: two window_kv rows one FP8 code apart differ by one
+    quantisation step of the value (a bound the XLA test can hold), not by an unbounded integer;
+    equal bytes stay bit-identical; a non-state output is compared as it is."""
+    from dsneuron.compiler.xla_check import state_agreement
+    from dsneuron.graphs.steps import state_format
+
+    fmt, K = state_format(micro_cfg, "layers.1.window_kv")
+    x = torch.randn(1, 4, K, generator=torch.Generator().manual_seed(0))
+    b = Q.quantize_state(x, fmt)
+    assert state_agreement(micro_cfg, "layers.1.window_kv", b, b.clone()).bit_identical
+    nudged = b.clone()
+    nudged[0, 0, 0] += 1  # the next e4m3 code of the first value, same scale byte
+    a = state_agreement(micro_cfg, "layers.1.window_kv", nudged, b)
+    v = Q.dequantize_state(b, K, fmt)
+    assert a.dtype == "float32" and not a.bit_identical and 0 < a.max_rel < 0.25
+    assert a.max_abs == pytest.approx(abs(float(Q.dequantize_state(nudged, K, fmt)[0, 0, 0] - v[0, 0, 0])))
+    assert state_format(micro_cfg, "layers.1.kv_state") is None
+    with pytest.raises(ValueError, match="expected uint8 rows"):
+        state_agreement(micro_cfg, "layers.1.window_kv", b[..., :-1], b)
