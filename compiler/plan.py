@@ -201,8 +201,9 @@ def default_parallel(cfg: ModelConfig, inst: Instance, tp: int | None, ep: int |
 def check_parallel(cfg: ModelConfig, par: Parallel, inst: Instance) -> None:
     """Refuse a tp/ep that the parallel rule cannot place (UserError naming the flag and the limit)."""
     tp, ep = par.tp, par.ep
-    if tp < 1 or ep < 1:
-        raise UserError(f"--tp {tp} --ep {ep}: both must be positive integers")
+    for flag, n in (("--tp", tp), ("--ep", ep)):  # one flag at a time: --ep's default derives from --tp
+        if n < 1:
+            raise UserError(f"{flag} {n}: must be a positive integer")
     if tp > inst.ranks:
         raise UserError(f"--tp {tp}: {inst.name} has {inst.ranks} ranks"
                         + (f" ({inst.chips} chips x {inst.ranks_per_chip} logical NeuronCores)" if inst.name != "host" else

@@ -164,6 +164,8 @@ def test_prefill_flops_match_a_real_routed_count():
     (["--tp", "3"], "--tp 3: must divide model.n_heads=4"),
     (["--tp", "4", "--ep", "3"], "--ep 3: must divide model.n_routed_experts=8"),
     (["--tp", "256"], "--tp 256: trn2.48xlarge has 64 ranks"),
+    (["--tp", "0"], "--tp 0: must be a positive integer"),  # not "--ep 8": that is the default derived from --tp
+    (["--tp", "4", "--ep", "-2"], "--ep -2: must be a positive integer"),
     (["--instance", "trn9.huge"], "--instance 'trn9.huge': unknown instance"),
 ])
 def test_bad_splits_and_instances_exit_2(monkeypatch, capsys, args, message):
