@@ -4,7 +4,8 @@
   untouched, until the new one is complete, and is then swapped out (SIGINT and SIGTERM are held
   back during the two renames, so neither Ctrl-C nor the CLI's SIGTERM handler can separate them).
 - The nearest existing folder above the output must be a writable folder (the temporary folder is
-  made beside the output); this and the rules above are checked before any work.
+  made beside the output), and an existing output must not be a mount point (it is renamed); this
+  and the rules above are checked before any work.
 - A folder that holds only placeholder files (`README.md`, `.gitignore`, `.gitkeep`; the repository
   tracks `artifacts/README.md`) counts as empty; those files are carried into the new bundle, unlisted.
   A non-empty folder that is not a bundle (no manifest.json) is never replaced, even with `force`.
@@ -36,7 +37,7 @@ from dsneuron.graphs import safetensors_format as sf
 from dsneuron.graphs.lazy import CHUNK_BYTES, tensor_chunks
 from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
 
-from .cache import file_sha256
+from .cache import file_sha256, pid_alive
 
 PLACEHOLDERS = frozenset({"README.md", ".gitignore", ".gitkeep"})
 
@@ -64,6 +65,9 @@ def check_output(out: Path, force: bool) -> None:
         return
     if not out.is_dir():
         raise OutputExistsError(f"output {out} exists and is not a folder; choose another --out")
+    if os.path.ismount(out):
+        raise OutputError(f"output {out} is a mount point: the bundle is built beside it and renamed into place, "
+                          f"which a mount point cannot be; choose a folder inside it, e.g. --out {out / 'bundle'}")
     entries = {p.name for p in out.iterdir()}
     if entries <= PLACEHOLDERS:
         return
@@ -196,7 +200,11 @@ def _swap(new: Path, out: Path, old: Path) -> None:
     try:
         had_old = out.exists()
         if had_old:
-            os.rename(out, old)
+            try:
+                os.rename(out, old)
+            except OSError as e:  # e.g. an immutable folder: nothing has changed yet
+                raise OutputError(f"output {out} cannot be replaced ({e.strerror}); choose another --out (a compile "
+                                  "of the same model takes its executables from the compile cache)") from None
         try:
             os.rename(new, out)
         except BaseException:
@@ -214,19 +222,9 @@ def _remove_dead_leftovers(out: Path) -> None:
     pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
     for p in out.parent.iterdir():
         m = pattern.match(p.name)
-        if not m or _alive(int(m.group(2))):
+        if not m or pid_alive(int(m.group(2))):
             continue
         if m.group(1) == "old" and not out.exists():
             os.rename(p, out)
         else:
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -50,7 +50,7 @@ def default_cache_dir() -> Path:
 
 def cache_root(cache_dir: Path | None) -> Path:
     """The compile cache folder: `cache_dir`, or `default_cache_dir()` when None, created if missing.
-    Raises UserError when that path exists and is not a folder, or cannot be created."""
+    Raises UserError when that path exists and is not a folder, or cannot be created or written."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if root.exists() and not root.is_dir():
         raise UserError(f"compile cache {root} is not a folder (set --cache-dir or ${ENV_VAR} to a folder)")
@@ -58,6 +58,8 @@ def cache_root(cache_dir: Path | None) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"compile cache {root}: cannot create it ({e.strerror}; set --cache-dir or ${ENV_VAR})") from None
+    if not os.access(root, os.W_OK | os.X_OK):  # an existing folder: the compile writes into it
+        raise UserError(f"compile cache {root}: no permission to write in it (set --cache-dir or ${ENV_VAR})")
     return root
 
 
@@ -170,6 +172,21 @@ def _valid_artifact(entry: Path) -> Path | None:
     return artifact if ok else None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` runs (of any user): the owner test of temporary folders named by pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: a stage executable's build folder in the cache root: ".build.<pid of the building process>-<random>"
+BUILD_PREFIX = ".build."
+
+
 class CompileCache:
     """get/put of compiled artifacts by key under `root` (created on first put)."""
 
@@ -177,6 +194,17 @@ class CompileCache:
         self.root = Path(root)
         self.hits = 0
         self.misses = 0
+
+    def build_folder(self) -> tempfile.TemporaryDirectory:
+        """A temporary folder in the root for one build, named by this process, after removing the
+        build folders of processes that no longer run (a worker killed by SIGTERM or SIGKILL
+        cannot remove its own)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for p in self.root.glob(f"{BUILD_PREFIX}*"):
+            m = re.fullmatch(rf"{re.escape(BUILD_PREFIX)}(\d+)-.*", p.name)
+            if m and not pid_alive(int(m.group(1))):
+                shutil.rmtree(p, ignore_errors=True)
+        return tempfile.TemporaryDirectory(prefix=f"{BUILD_PREFIX}{os.getpid()}-", dir=self.root)
 
     def _entry(self, key: str) -> Path:
         if not re.fullmatch(r"[0-9a-f]{64}", key):

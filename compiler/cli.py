@@ -130,7 +130,7 @@ def compile_cmd(
     out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
     target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK, "
                                                        "or torch-xla with --hlo-only)"),
-    force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing bundle (kept intact until the new one is complete)"),
+    force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing bundle folder, every file in it (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
     probes: bool = typer.Option(False, "--probes", metavar=FLAG, help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="PEM elliptic-curve private key: sign the bundle "

@@ -205,7 +205,7 @@ def check_parallel(cfg: ModelConfig, par: Parallel, inst: Instance) -> None:
         if n < 1:
             raise UserError(f"{flag} {n}: must be a positive integer")
     if tp > inst.ranks:
-        raise UserError(f"--tp {tp}: {inst.name} has {inst.ranks} ranks"
+        raise UserError(f"--tp {tp}: {inst.name} has {inst.ranks} rank{'s' if inst.ranks != 1 else ''}"
                         + (f" ({inst.chips} chips x {inst.ranks_per_chip} logical NeuronCores)" if inst.name != "host" else
                            " (the cpu target runs one process)"))
     if cfg.n_heads % tp:

@@ -26,7 +26,6 @@ import json
 import multiprocessing
 import os
 import signal
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -199,9 +198,8 @@ def _make(i: int) -> dict[str, Any]:
     key = cache_key(normalised_graph(exported.program), flags, toolchain, target, sc.backend.name)
     compiled = False
     if sc.cache.get(key) is None:
-        sc.cache.root.mkdir(parents=True, exist_ok=True)
         ext = Path(bucket_file(task.bucket.kind, task.bucket.batch, task.bucket.length, target)).suffix
-        with tempfile.TemporaryDirectory(prefix=".build.", dir=sc.cache.root) as tmp:
+        with sc.cache.build_folder() as tmp:
             out = Path(tmp) / f"{task.kind}{ext}"  # the archive's folder is named after the file
             sc.backend.compile(exported.program, out, out.stem)
             sc.cache.put(key, out)

@@ -45,13 +45,28 @@ def check_private_key(private_key: Path, password: str | None = None) -> None:
     curve model-signing takes (checked before a compile, so a bad key fails in seconds)."""
     from model_signing._signing.sign_ec_key import Signer
 
+    from cryptography.hazmat.primitives import serialization
+
     key = Path(private_key)
     if not key.is_file():
         raise BundleError(f"signing key {key} does not exist")
     try:
+        _require_ec(key, serialization.load_pem_private_key(key.read_bytes(), password and password.encode()), "private")
         Signer(key, password)
     except (ValueError, TypeError) as e:
         raise BundleError(f"signing key {key}: not a usable elliptic-curve private key ({e})") from None
+
+
+def _require_ec(path: Path, key: object, which: str) -> None:
+    """Raise BundleError naming the key's type unless it is an elliptic-curve key (model-signing's
+    key mode takes nothing else, and fails on an RSA or Ed25519 key without saying so)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    if not isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
+        kind = type(key).__name__.lstrip("_").replace("PrivateKey", "").replace("PublicKey", "")
+        raise BundleError(f"{'signing' if which == 'private' else 'verify'} key {path}: its type is {kind} ({which}); bundles "
+                          "are signed with elliptic-curve keys (P-256, P-384 or P-521; e.g. `openssl ecparam -name "
+                          "prime256v1 -genkey -noout -out key.pem`)")
 
 
 def sign_bundle(root: Path, private_key: Path, password: str | None = None) -> Path:
@@ -87,7 +102,10 @@ def verify_bundle(root: Path, public_key: Path) -> None:
         raise BundleError(f"verify key {key} does not exist")
     if not sig.is_file():
         raise BundleError(f"bundle {root} is not signed (no {SIGNATURE}) and a verify key is set: refusing to load it")
+    from cryptography.hazmat.primitives import serialization
+
     try:
+        _require_ec(key, serialization.load_pem_public_key(key.read_bytes()), "public")
         config = verifying.Config().use_elliptic_key_verifier(public_key=key)
     except ValueError as e:
         raise BundleError(f"verify key {key}: not a usable elliptic-curve public key ({e})") from None

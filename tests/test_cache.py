@@ -173,6 +173,46 @@ def test_an_out_folder_that_cannot_be_made_is_one_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_cache_dir_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    """An existing folder without write permission (simulated: root passes permission bits) is refused
+    up front, not by a traceback when the checkpoint or the first executable is written."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != tmp_path and real(p, mode, **kw))
+    with pytest.raises(UserError, match=rf"compile cache {tmp_path}: no permission to write in it"):
+        cache_root(tmp_path)
+
+
+def test_an_out_folder_that_is_a_mount_point_or_cannot_be_renamed_is_one_error(tmp_path, monkeypatch):
+    """A mount point (a container volume) is refused before any work; a folder the final rename
+    fails on (an immutable folder) is one error and leaves it and its files as they were."""
+    import os
+
+    from dsneuron.compiler import bundle_writer as bw
+
+    out = tmp_path / "vol"
+    out.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out)
+    with pytest.raises(bw.OutputError, match=rf"output {out} is a mount point.*--out {out}/bundle"):
+        bw.check_output(out, force=False)
+    monkeypatch.undo()
+    (out / "README.md").write_text("kept")
+    real = os.rename
+
+    def refuse(src, dst):
+        if Path(src) == out:
+            raise PermissionError(1, "Operation not permitted")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(bw.OutputError, match=rf"output {out} cannot be replaced \(Operation not permitted\)"):
+        with bw.BundleWriter(out, force=False) as w:
+            (w.tmp / "x").write_text("y")
+            bw._swap(w.tmp, out, tmp_path / ".old")  # commit's last step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"] and (out / "README.md").read_text() == "kept"
+
+
 # ------------------------------------------------------------------------------------------ entries
 KEY = "ab" * 32
 
@@ -484,3 +524,25 @@ def test_two_checkouts_in_different_folders_give_the_same_keys(tmp_path):
     assert outs[0]["paths_in_traces"] and outs[1]["paths_in_traces"]  # so the test can fail
     for key in ("cpu", "cpu_pre", "neuron"):
         assert outs[0][key] == outs[1][key], key
+
+
+def test_build_folders_of_dead_processes_are_removed(tmp_path):
+    """A compile worker killed mid-build (SIGTERM, SIGKILL) leaves its .build.<pid>- folder; the next
+    build in the cache removes it, and leaves a live process's build folder and other files alone."""
+    import os
+    import subprocess
+
+    from dsneuron.compiler.cache import BUILD_PREFIX, CompileCache
+
+    child = subprocess.Popen(["true"])  # a pid that has exited
+    child.wait()
+    stale = tmp_path / f"{BUILD_PREFIX}{child.pid}-abc"
+    (stale / "sub").mkdir(parents=True)
+    live = tmp_path / f"{BUILD_PREFIX}{os.getppid()}-def"
+    live.mkdir()
+    other = tmp_path / f"{BUILD_PREFIX}notapid"
+    other.mkdir()
+    with CompileCache(tmp_path).build_folder() as tmp:
+        assert Path(tmp).name.startswith(f"{BUILD_PREFIX}{os.getpid()}-")
+        assert not stale.exists() and live.is_dir() and other.is_dir()
+    assert not Path(tmp).exists()

@@ -197,7 +197,7 @@ def test_cpu_target_takes_one_rank_and_no_instance(monkeypatch, capsys):
     assert run_cli(monkeypatch, "plan", "--config", "micro", "--instance", "trn2.48xlarge") == 2
     assert "--instance trn2.48xlarge: goes with --target neuron" in capsys.readouterr().err
     assert run_cli(monkeypatch, "plan", "--config", "micro", "--tp", "2") == 2
-    assert "--tp 2: host has 1 ranks" in capsys.readouterr().err
+    assert "--tp 2: host has 1 rank (the cpu target runs one process)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- the command

@@ -149,6 +149,28 @@ def test_bad_signing_keys_are_named(tmp_path, keys):
     assert not (dst / SIGNATURE).exists()
 
 
+@pytest.mark.parametrize("kind", ["RSA", "Ed25519"])
+def test_keys_of_another_type_are_named_not_a_traceback(tmp_path, kind):
+    """model-signing's key mode takes elliptic-curve keys only, and fails on others with an
+    AttributeError; dsneuron names the key's type, for signing, compiling with --sign-key and verifying."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+    key = rsa.generate_private_key(65537, 2048) if kind == "RSA" else ed25519.Ed25519PrivateKey.generate()
+    priv, pub = tmp_path / "k.pem", tmp_path / "k.pub"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    src, _ = stand_in.shared_bundle()
+    dst = tmp_path / "b"
+    shutil.copytree(src, dst)
+    with pytest.raises(BundleError, match=rf"signing key {priv}: its type is {kind} \(private\); bundles are signed "
+                                          "with elliptic-curve keys"):
+        sign_bundle(dst, priv)
+    (dst / SIGNATURE).write_text("{}")
+    with pytest.raises(BundleError, match=rf"verify key {pub}: its type is {kind} \(public\)"):
+        verify_bundle(dst, pub)
+
+
 def test_cli_sign_run_and_inspect_with_a_verify_key(tmp_path, keys, monkeypatch, capsys):
     (priv, pub), (_, other) = keys
     src, _ = stand_in.shared_bundle()
