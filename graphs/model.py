@@ -68,6 +68,7 @@ from torch import nn
 
 import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_float, ue8m0_to_float
+from dsneuron.kernels_nki.rms_norm import mean_square, rms_norm
 
 from .config import INDEXER_MODES, ModelConfig
 from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, dequant_fp4_weight,
@@ -307,9 +308,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        # the cpu target: ATen's own mean of squares, as the golden's (kernels_nki/rms_norm.py)
+        mean_sq = torch.ops.dsneuron.mean_square if NUMERICS.gemm_order == "kernel" else mean_square
+        return rms_norm(x, self.weight, self.eps, mean_sq)
 
 
 # ----------------------------------------------------------------------------------------- rope
