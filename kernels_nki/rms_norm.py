@@ -2,17 +2,20 @@
 
     torch.ops.dsneuron.mean_square(xf) -> fp32 [..., 1]     (xf fp32 [..., D])
 
-`rms_norm` is the norm itself (graphs/model.py RMSNorm calls it in every GEMM order, so the golden and
-the cpu target's graphs run the same expression): fp32 x * rsqrt(mean(x^2) + eps), times the
+`rms_norm` is the norm itself (graphs/model.py RMSNorm calls it in every GEMM order, so the golden
+and the cpu target's graphs run the same expression): fp32 x * rsqrt(mean(x^2) + eps), times the
 weight, cast back. In the cpu target's graphs its mean of squares is this op, registered with
 `torch.library.Library`, not `custom_op`, so the cpu lowering keeps it as a call (compiler/lower.py
 inlines only ops with a torch reference) and the executables reduce with ATen's own mean; the
-elementwise rest stays in Inductor's kernels, which give eager's bits. Why: Inductor sums the fp32 mean of squares in
-another order than ATen's vectorised sum, which leaves about one row in 2,000-5,000 one bf16 step
-apart (tests/test_compiled_rounding.py), and the next FP8 activation QDQ makes that step a whole
-e4m3 step. ATen's order is that of the host's ATen build, so this op is bit-identical to the golden
-on the host that runs both, not across hosts (neither is the golden). Source: DeepSeek-V4.1-Flash:
-inference/model.py RMSNorm.
+elementwise rest stays in Inductor's kernels, which give eager's bits.
+
+Why: Inductor sums the fp32 mean of squares in another order than ATen's vectorised sum, which
+leaves about one row in 2,000-5,000 one bf16 step apart (tests/test_compiled_rounding.py), and the
+next FP8 activation QDQ makes that step a whole e4m3 step. ATen's order is that of the host's ATen
+build, so the op is bit-identical to the golden on the host that runs both, not across hosts
+(neither is the golden). The cost: one call through AOTInductor's proxy executor into this Python
+kernel per norm (about 50 per tiny decode token). Source: DeepSeek-V4.1-Flash: inference/model.py
+RMSNorm.
 """
 
 from __future__ import annotations

@@ -30,13 +30,21 @@ class _Fn(torch.nn.Module):
         return self.fn(*args)
 
 
-def _compiled(fn, *args):
-    """fn traced at args' shapes as the cpu backend does (non-strict torch.export, custom ops
-    inlined), then compiled by Inductor with the backend's flags."""
+def _exported(fn, *args) -> torch.export.ExportedProgram:
+    """fn traced at args' shapes as the cpu backend does (non-strict torch.export, custom ops inlined)."""
     torch._dynamo.reset()
     with inline_mode("cpu"):
-        program = torch.export.export(_Fn(fn), args, strict=False)
+        return torch.export.export(_Fn(fn), args, strict=False)
+
+
+def _inductor(program: torch.export.ExportedProgram):
+    """The exported program compiled by Inductor with the cpu backend's flags."""
     return torch.compile(program.module(), backend="inductor", options=dict(DEFAULT_FLAGS), fullgraph=True)
+
+
+def _compiled(fn, *args):
+    """`_exported`, then `_inductor`."""
+    return _inductor(_exported(fn, *args))
 
 
 def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -108,19 +116,16 @@ def test_compiled_rmsnorm_deviates_from_eager_only_by_its_named_bound():
 def test_compiled_rmsnorm_in_the_cpu_targets_order_equals_eager(shape):
     """In GEMM order "kernel" (what cpu bundles trace) the norm's mean of squares is one call of
     dsneuron::mean_square, kept as a call by the cpu lowering, which runs the golden's own ATen
-    expression, and the elementwise rest is Inductor's: compiled ==
-    eager bit for bit, at prefill and decode shapes, where Inductor's own sum (the test above)
-    moves some rows by a bf16 step."""
+    expression, and the elementwise rest is Inductor's: compiled == eager bit for bit, at prefill
+    and decode shapes, where Inductor's own sum (the test above) moves some rows by a bf16 step."""
     norm = RMSNorm(shape[-1], 1e-6).eval()
     norm.weight.copy_(_bf16(shape[-1], seed=8, scale=0.5) + 1)
     x = _bf16(*shape, seed=9, scale=2.0)
     with torch.no_grad(), gemm_order("kernel"):
-        torch._dynamo.reset()
-        with inline_mode("cpu"):
-            program = torch.export.export(_Fn(norm), (x,), strict=False)
+        program = _exported(norm, x)
         calls = [n.target for n in program.graph.nodes if n.op == "call_function"]
         assert calls.count(torch.ops.dsneuron.mean_square.default) == 1 and torch.ops.aten.mean.dim not in calls
-        got = torch.compile(program.module(), backend="inductor", options=dict(DEFAULT_FLAGS), fullgraph=True)(x)
+        got = _inductor(program)(x)
     with torch.no_grad():
         want = norm(x)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).any(-1).sum().item()
