@@ -3,4 +3,4 @@
 Importing the package registers the `torch.ops.dsneuron.*` custom ops (see `ops`).
 """
 
-from dsneuron.kernels_nki import ops, rms_norm  # noqa: F401  (registration side effect)
+from dsneuron.kernels_nki import ops  # noqa: F401  (registration side effect)

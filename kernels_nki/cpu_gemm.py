@@ -1,12 +1,13 @@
 """Block-scaled GEMM kernels of the cpu target with a fixed summation order: C++ ops, layout, reference.
 
-Importing this module builds (first use, cached) and loads kernels_nki/cpu/gemm.cpp and sparse_attn.cpp
-(one extension), which register
+Importing this module builds (first use, cached) and loads kernels_nki/cpu/gemm.cpp, sparse_attn.cpp,
+act_quant.cpp and rms_norm.cpp (one extension), which register (besides the QDQ and state ops below)
 
     torch.ops.dsneuron.gemm_panels(a, w, w_scale, fmt, n)                        -> fp32 [M, n]
     torch.ops.dsneuron.gemm_panels_segments(a, offsets, w, w_scale, fmt, n)     -> fp32 [R, n]
     torch.ops.dsneuron.sparse_attn_cpu(q, kv, sink, idx, scale)                 -> bf16 [B,S,H,D]  (cpu_attn.py)
     torch.ops.dsneuron.exp_cpu(x)                                               -> fp32            (cpu_attn.py)
+    torch.ops.dsneuron.mean_square(xf)                                          -> fp32 [..., 1]   (rms_norm.py)
 
 with fake implementations here, so both export (symbolic M included) and run inside AOTInductor
 packages through the proxy executor (this module must be imported before such a package runs).
@@ -67,7 +68,8 @@ PANEL = 16
 #: k per block partial: the UE8M0 scale block of the V4.1 FP8 weights and FP4 experts.
 BLOCK = 32
 
-_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("gemm.cpp", "sparse_attn.cpp", "act_quant.cpp")]
+_SOURCES = [Path(__file__).parent / "cpu" / name for name in ("gemm.cpp", "sparse_attn.cpp", "act_quant.cpp",
+                                                                 "rms_norm.cpp")]
 #: -ffp-contract=off: no fusing of what the source writes as a multiply and an add; the bindings use
 #: torch's stable C ABI of 2.10 (its headers compile in seconds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-DTORCH_TARGET_VERSION=0x020a000000000000"]
@@ -226,6 +228,20 @@ def _fp4_act_dequant_fake(x, block, scale_fmt):
     if scale_fmt not in (0, 1):
         raise ValueError(f"fp4_act_dequant: scale_fmt must be 0 (ue8m0) or 1 (e4m3), got {scale_fmt}")
     return _act_dequant_fake("fp4_act_dequant", x, block)
+
+
+def mean_square(xf: torch.Tensor) -> torch.Tensor:
+    """RMSNorm's reduction in one op (cpu/rms_norm.cpp): xf fp32 [..., D] -> fp32 [..., 1], the
+    golden's ATen expression (kernels_nki/rms_norm.py `mean_square`) called from C++, so bit-identical
+    to it on this host. Raises ValueError for another dtype or a 0-dim xf."""
+    return torch.ops.dsneuron.mean_square(xf)
+
+
+@torch.library.register_fake("dsneuron::mean_square")
+def _mean_square_fake(xf):
+    if xf.dtype != torch.float32 or xf.dim() < 1:
+        raise ValueError(f"mean_square: expected fp32 [..., D], got {xf.dtype} with {xf.dim()} dims")
+    return xf.new_empty((*xf.shape[:-1], 1))
 
 
 #: state formats of state_quant / state_dequant, by code: (element codes, scale bytes)

@@ -129,5 +129,6 @@ def test_compiled_rmsnorm_in_the_cpu_targets_order_equals_eager(shape):
     with torch.no_grad():
         want = norm(x)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).any(-1).sum().item()
-    with pytest.raises(ValueError, match=r"mean_square: expected fp32 \[\.\.\., D\], got torch.bfloat16"):
-        torch.ops.dsneuron.mean_square(x)
+    for bad in (x, torch.tensor(1.0)):  # the C++ op refuses another dtype and a 0-dim tensor
+        with pytest.raises(ValueError, match=r"mean_square: expected fp32 \[\.\.\., D\], got \w+ with \d dims"):
+            torch.ops.dsneuron.mean_square(bad)

@@ -88,6 +88,46 @@ def test_random_rows_decode_to_the_qdq(seed, decades, name):
     _round_trips(x.to(torch.bfloat16), FORMATS[name])
 
 
+def _every_byte_rows(fmt: Q.StateFormat, K: int, rows: int, seed: int) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random bytes: every code byte and every scale byte (0, 255 and
+    the NaN codes included) occurs in them."""
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (rows, fmt.row_bytes(K)), generator=g, dtype=torch.int32).to(torch.uint8)
+    b.view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # codes of row 0
+    b[:256, -1] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # a scale byte per row
+    return b
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_any_bytes_decode_as_the_reference_and_the_portable_build(name, portable_ops):
+    """state_dequant of arbitrary bytes (not only rows state_quant wrote): the host's build, whose
+    AVX2 path decodes 8 lanes at a time, equals dequantize_state's values and the portable build's
+    scalar loop, NaNs at the same places (and bit for bit against the portable build)."""
+    fmt = FORMATS[name]
+    K = 256
+    b = _every_byte_rows(fmt, K, 300, seed=3)
+    fmt_code = cpu_gemm.STATE_FMTS.index((fmt.elem, fmt.scale))
+    got = cpu_gemm.state_dequant(b, K, fmt.block, fmt.elem, fmt.scale)
+    want = Q.dequantize_state(b, K, fmt).to(torch.bfloat16)
+    nan = want.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+    assert torch.equal(_bits(portable_ops.state_dequant(b, K, fmt.block, fmt_code)), _bits(got))
+    # a row of odd shape: leading dims and a non-contiguous view
+    view = b.view(3, 100, -1)[:, ::2]
+    assert torch.equal(_bits(cpu_gemm.state_dequant(view, K, fmt.block, fmt.elem, fmt.scale)),
+                       _bits(got.view(3, 100, K)[:, ::2]))
+
+
+@pytest.fixture(scope="module")
+def portable_ops():
+    """The portable C++ layer beside the host's AVX2 one (tests/test_cpu_gemm.py portable_ops)."""
+    if cpu_gemm.VARIANT != "avx2":
+        pytest.skip("the host runs the portable build already")
+    cpu_gemm.build("generic", "dsneuron_generic")
+    return torch.ops.dsneuron_generic
+
+
 def test_a_fresh_row_decodes_to_positive_zeros():
     for fmt in FORMATS.values():
         z = torch.zeros(2, fmt.row_bytes(64), dtype=torch.uint8)
