@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +72,9 @@ from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_f
 from dsneuron.kernels_nki.rms_norm import mean_square, rms_norm
 
 from .config import INDEXER_MODES, ModelConfig
-from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, dequant_fp4_weight,
-                    dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq, fp4_operand_bytes,
-                    fp8_linear, linear_fp32, quantize_state, window_format)
+from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, block_scaled_matmul,
+                    dequant_fp4_weight, dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq,
+                    fp4_operand_bytes, fp8_activation, fp8_linear, linear_fp32, quantize_state, window_format)
 
 
 # ----------------------------------------------------------------------------------------- options
@@ -294,10 +295,16 @@ class Linear(nn.Module):
     #: float64 [out, in] copy of the weight's values kept by `Transformer.cache_dequantized`
     #: (eager golden only: its exact GEMMs run in float64)
     cached: torch.Tensor | None = None
+    #: a row-parallel shard's sum over the ranks of the fp32 result, before its bf16 rounding
+    #: (compiler/parallel.py); None in one process
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if NUMERICS.gemm_order == "kernel":
             return self.kernel_forward(x)
+        if self.reduce is not None:
+            y = self.reduce(self.fp32_forward(x))
+            return y if self.kind == "fp32" else y.to(torch.bfloat16)
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
             return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
@@ -306,6 +313,15 @@ class Linear(nn.Module):
             # BF16_GEMM: exact fp32 products, fp32 sum, one bf16 rounding
             return linear_fp32(x.to(torch.bfloat16).float(), w, NUMERICS.gemm_order).to(torch.bfloat16)
         return linear_fp32(x.float(), w, NUMERICS.gemm_order)
+
+    def fp32_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward's fp32 result before its bf16 rounding (the golden's orders): what a row-parallel
+        shard adds up over the ranks."""
+        w = self.cached if self.cached is not None else (self.dequantized() if self.kind in ("fp8", "fp4") else self.weight)
+        if self.kind in ("fp8", "fp4"):
+            return block_scaled_matmul(fp8_activation(x, self.block), w, self.block, NUMERICS.gemm_order)
+        a = x.to(torch.bfloat16).float() if self.kind == "bf16" else x.float()
+        return linear_fp32(a, w, NUMERICS.gemm_order)
 
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -898,6 +914,10 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, n_exp, topk)
         self.experts = nn.ModuleList([Expert(cfg.dim, cfg.moe_inter_dim, "fp4", cfg.swiglu_limit) for _ in range(n_exp)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8", cfg.swiglu_limit)
+        #: the routed experts this process runs, and the sum over the ranks of their fp32 output before
+        #: the shared expert is added: an expert-parallel shard's (compiler/parallel.py), else all and None
+        self.owned: range = range(n_exp)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
         """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True loops over the experts, each on its tokens
@@ -913,10 +933,14 @@ class MoE(nn.Module):
         if NUMERICS.gemm_order == "kernel" and not routed:
             y = self._kernel_experts(x, weights, indices)
         elif routed:
-            for e in range(self.n_experts):
+            for e in self.owned:
                 rows, slot = torch.where(indices == e)
                 if rows.numel():
                     y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+            if self.reduce is not None:
+                y = self.reduce(y)
+        elif self.reduce is not None:
+            raise NotImplementedError("an expert-parallel MoE runs the routed loop only (routed=True)")
         elif x.size(0) * self.gate.topk < self.n_experts:
             # each token's experts in ascending id order: the order the routed loop adds them in
             ids, perm = indices.sort(dim=-1)
@@ -1005,6 +1029,8 @@ class Engram(nn.Module):
         self.embed.scale = nn.Parameter(torch.empty(num_embeddings, cfg.engram_head_dim // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
         self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), "fp8")
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
+        #: a row-parallel shard's input columns of wkv (compiler/parallel.py); None: all
+        self.wkv_cols: slice | None = None
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
@@ -1018,7 +1044,8 @@ class Engram(nn.Module):
         """h bf16 [B,S,hc,D], hash_ids int64 [B,S,C] -> bf16 [B,S,hc,D]."""
         cfg = self.cfg
         D, hc = cfg.dim, cfg.hc_mult
-        kv = self.wkv(self.lookup(hash_ids))
+        rows = self.lookup(hash_ids)
+        kv = self.wkv(rows if self.wkv_cols is None else rows[..., self.wkv_cols])
         key = kv[..., :hc * D].float().unflatten(-1, (hc, D))
         value = kv[..., hc * D:]
         weight = self.q_weight.float() * self.k_weight.float()

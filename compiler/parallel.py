@@ -1,0 +1,265 @@
+"""Tensor and expert parallelism applied to a loaded model: one rank's shard, and the collectives.
+
+`shard_model(model, par, rank, comm)` cuts a full `graphs.model.Transformer` down, in place, to what
+rank `rank` of a tensor-parallel world of `par.tp` processes holds under the parallel rule
+(compiler/plan.py `placement`, written once and shared with `dsneuron plan`):
+
+| placement | tensors | what a rank holds | collective |
+|---|---|---|---|
+| TP | attn.wq_b, attn_sink | its heads, H / tp of them, rank r the r-th run | - |
+| TP | attn.wo_a | the output groups of its heads (o_groups / tp) | - |
+| TP | attn.wo_b | those groups' input columns (row-parallel) | all-reduce of the fp32 result |
+| TP | ffn.shared_experts | w1 / w3 rows and w2 columns of inter / tp | all-reduce of w2's fp32 result |
+| TP | engram.wkv | its input columns (whole 32-blocks of hash columns) | all-reduce of the fp32 result |
+| EXPERTS | ffn.experts.E | EP group rank // moe_tp runs experts [g E/ep, (g+1) E/ep) | all-reduce of the routed sum |
+| VOCAB | embed, head | vocabulary rows [r V/tp, (r+1) V/tp) | all-reduce of the looked-up rows / all-gather of logits |
+| REPLICATED, HOST | the rest: norms, wq_a, wkv, compressor, indexer, gate, hc, engram tables | all of it | - |
+
+Every all-reduce sums fp32 values before the one bf16 rounding the single process makes there, so
+a sharded run differs from one process only in the order its fp32 partial sums are added (each
+row-parallel GEMM's K split into tp ranges), well inside `dsneuron compare`'s floor; the routing,
+the caches and everything replicated are bit-identical on every rank. The routed experts of one
+rank are summed in ascending id, as one process sums them, and the ranks' sums are then added.
+
+This is the parallel rule on the eager golden model (the golden's GEMM orders, the routed MoE),
+run by `run_sharded` with torch.distributed's gloo backend on this host: the oracle of the sharded
+cpu target. Not done yet, and refused by name: an expert split over moe_tp = tp / ep > 1 ranks, a
+tp that does not divide model.o_groups, the compiled stages. Shapes follow the official
+DeepSeek-V4 inference/model.py parallel layers (ColumnParallelLinear / RowParallelLinear /
+ParallelEmbedding, its `world_size` split) and NxDI's moe_ep_degree x moe_tp_degree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsneuron.graphs.config import ModelConfig
+from dsneuron.graphs.model import Linear, Transformer
+
+from dsneuron import UserError
+from .plan import EXPERTS, TP, VOCAB, Parallel, placement
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Comm:
+    """The collectives of one rank (torch.distributed's default group). world 1: no-ops."""
+
+    world: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of t over the ranks, a new tensor (t [..] any shape, fp32)."""
+        if self.world == 1:
+            return t
+        out = t.clone()
+        dist.all_reduce(out)
+        return out
+
+    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' t [..., n] concatenated in rank order along the last dim -> [..., world * n]."""
+        if self.world == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
+    """Refuse (UserError) what `shard_model` does not implement yet, beyond plan.check_parallel."""
+    if par.moe_tp != 1:
+        raise UserError(f"--tp {par.tp} --ep {par.ep}: each expert would be split over tp/ep={par.moe_tp} ranks, which "
+                        f"the cpu target does not run yet; use --ep {par.tp}")
+    if cfg.o_groups % par.tp:
+        raise UserError(f"--tp {par.tp}: must divide model.o_groups={cfg.o_groups} on the cpu target (a rank's heads "
+                        "in whole output groups)")
+
+
+def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return t[lo:hi].clone()
+
+
+def _shard_linear(lin: Linear, lo: int, hi: int, dim: int) -> None:
+    """Keep output rows (dim 0) or input columns (dim 1) lo..hi of lin's weight and its scale grid
+    (FP8: one scale per 32 x 32 tile; FP4: per row and 32 columns; lo, hi multiples of 32 where
+    the scale grid is cut)."""
+    w = lin.weight.data
+    packed = 2 if lin.kind == "fp4" and dim == 1 else 1  # two e2m1 codes per byte along the input
+    lin.weight = nn.Parameter(w.narrow(dim, lo // packed, (hi - lo) // packed).clone(), requires_grad=False)
+    if lin.kind in ("fp8", "fp4"):
+        per = BLOCK if (lin.kind == "fp8" or dim == 1) else 1
+        if lo % per or hi % per:
+            raise ValueError(f"shard of {lin.kind} linear at {lo}..{hi} along dim {dim} cuts its {per}-blocks")
+        s = lin.scale.data
+        lin.scale = nn.Parameter(s.narrow(dim, lo // per, -(-(hi - lo) // per)).clone(), requires_grad=False)
+    if dim == 0:
+        lin.out_features = hi - lo
+    else:
+        lin.in_features = hi - lo
+    lin.cached = None
+
+
+def _span(n: int, parts: int, i: int) -> tuple[int, int]:
+    per = n // parts
+    return i * per, (i + 1) * per
+
+
+class VocabEmbedding(nn.Module):
+    """Rows [lo, lo + n) of the embedding (official ParallelEmbedding): tokens outside look up zero,
+    and the ranks' lookups are summed, so every rank gets the full bf16 rows."""
+
+    def __init__(self, weight: torch.Tensor, lo: int, comm: Comm):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.lo, self.comm = lo, comm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.lo
+        inside = (local >= 0) & (local < self.weight.size(0))
+        rows = self.weight[local.clamp(0, self.weight.size(0) - 1)] * inside.unsqueeze(-1).to(self.weight.dtype)
+        return self.comm.all_reduce(rows.float()).to(self.weight.dtype)
+
+
+class VocabHead(nn.Module):
+    """The head's vocabulary rows of this rank: fp32 logits [.., V/tp], all-gathered to [.., V]."""
+
+    def __init__(self, head: Linear, vocab: int, comm: Comm):
+        super().__init__()
+        self.head, self.vocab, self.comm = head, vocab, comm
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather_last(self.head(y))[..., : self.vocab]
+
+
+def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Transformer:
+    """Cut `model` (a full golden Transformer, weights loaded) to rank `rank`'s shard in place (module
+    docstring) and return it; its float64 weight copies are rebuilt for the kept slices. Raises
+    UserError for what `check_shardable` refuses, ValueError for a rank outside 0..tp-1."""
+    cfg = model.cfg
+    check_shardable(cfg, par)
+    if not 0 <= rank < par.tp:
+        raise ValueError(f"shard_model: rank must be in 0..{par.tp - 1}, got {rank}")
+    tp = par.tp
+    if tp == 1:
+        return model
+    hd, heads, groups = cfg.head_dim, cfg.n_heads // tp, cfg.o_groups // tp
+    for L, block in enumerate(model.layers):
+        attn = block.attn
+        assert placement(cfg, par, f"layers.{L}.attn.wq_b.weight") == TP
+        _shard_linear(attn.wq_b, rank * heads * hd, (rank + 1) * heads * hd, 0)
+        attn.attn_sink = nn.Parameter(_rows(attn.attn_sink.data, rank * heads, (rank + 1) * heads), requires_grad=False)
+        cols = (rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank)
+        _shard_linear(attn.wo_a, *cols, 0)
+        _shard_linear(attn.wo_b, *cols, 1)
+        attn.wo_b.reduce = comm.all_reduce
+        attn.cfg = dataclasses.replace(attn.cfg, n_heads=heads, o_groups=groups)
+        moe = block.ffn
+        n_exp = moe.n_experts
+        g = rank // par.moe_tp
+        lo, hi = _span(n_exp, par.ep, g)
+        assert placement(cfg, par, f"layers.{L}.ffn.experts.{lo}.w1.weight") == EXPERTS
+        for e in range(n_exp):
+            if not lo <= e < hi:
+                moe.experts[e] = nn.Module()  # another group's expert: nothing held here
+        moe.owned, moe.reduce = range(lo, hi), comm.all_reduce
+        if placement(cfg, par, f"layers.{L}.ffn.shared_experts.w1.weight") == TP:
+            sh = moe.shared_experts
+            a, b = _span(sh.w1.out_features, tp, rank)
+            _shard_linear(sh.w1, a, b, 0)
+            _shard_linear(sh.w3, a, b, 0)
+            _shard_linear(sh.w2, a, b, 1)
+            sh.w2.reduce = comm.all_reduce
+        if block.engram is not None and placement(cfg, par, f"layers.{L}.engram.wkv.weight") == TP:
+            a, b = _span(block.engram.wkv.in_features, tp, rank)
+            _shard_linear(block.engram.wkv, a, b, 1)
+            block.engram.wkv.reduce = comm.all_reduce
+            block.engram.wkv_cols = slice(a, b)
+    assert placement(cfg, par, "embed.weight") == VOCAB and placement(cfg, par, "head.weight") == VOCAB
+    per = -(-cfg.vocab_size // tp)
+    lo, hi = rank * per, min(cfg.vocab_size, (rank + 1) * per)
+    model.embed = VocabEmbedding(model.embed.weight.data[lo:hi].clone(), lo, comm)
+    head = model.head
+    # pad the last rank's rows so that every rank's logits have V/tp columns for the all-gather
+    w = head.weight.data[lo:hi]
+    if w.size(0) < per:
+        w = torch.cat([w, w.new_zeros(per - w.size(0), w.size(1))])
+    head.weight = nn.Parameter(w.clone(), requires_grad=False)
+    head.out_features, head.cached = per, None
+    model.head = VocabHead(head, cfg.vocab_size, comm)
+    model.cache_dequantized()
+    return model
+
+
+# ----------------------------------------------------------------------------------------- run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, args: dict[str, Any]) -> None:
+    from dsneuron.graphs.golden import Golden
+
+    torch.set_num_threads(args["threads"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}", rank=rank,
+                            world_size=args["par"].tp)
+    try:
+        golden = Golden(args["cfg"], Path(args["checkpoint"]), args["max_seq_len"])
+        shard_model(golden.model, args["par"], rank, Comm(args["par"].tp))
+        records = golden.teacher_forced(args["ids"], args["n_prompt"])
+        torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters `model` holds on the device, the engram tables (kept on the host by
+    the plan) aside."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".engram.embed." not in n)
+
+
+@dataclass
+class ShardedRun:
+    """What `run_sharded` returns: rank 0's teacher-forced logits fp32 [V] per step (every rank
+    has the same) and each rank's `held_bytes`."""
+
+    logits: list[torch.Tensor]
+    held: list[int]
+
+
+def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Parallel, ids: list[int],
+                n_prompt: int) -> ShardedRun:
+    """Teacher-forced logits (prefill of ids[:n_prompt], then one step per decoded id, as
+    Golden.teacher_forced) from par.tp processes (torch.multiprocessing spawn, gloo over loopback),
+    each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
+    cpu target cannot shard, RuntimeError when a rank fails."""
+    import torch.multiprocessing as mp
+
+    check_shardable(cfg, par)
+    threads = max(1, (os.cpu_count() or 1) // par.tp)
+    with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
+        args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
+                "n_prompt": n_prompt, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_rank_main, args=(r, args)) for r in range(par.tp)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        if bad:
+            raise RuntimeError(f"sharded run: rank(s) {bad} exited with an error (see their tracebacks above)")
+        ranks = [torch.load(f"{args['out']}.{r}") for r in range(par.tp)]
+        return ShardedRun(ranks[0]["logits"], [r["held"] for r in ranks])
