@@ -8,25 +8,28 @@ rank `rank` of a tensor-parallel world of `par.tp` processes holds under the par
 |---|---|---|---|
 | TP | attn.wq_b, attn_sink | its heads, H / tp of them, rank r the r-th run | - |
 | TP | attn.wo_a | the output groups of its heads (o_groups / tp) | - |
-| TP | attn.wo_b | those groups' input columns (row-parallel) | all-reduce of the fp32 result |
-| TP | ffn.shared_experts | w1 / w3 rows and w2 columns of inter / tp | all-reduce of w2's fp32 result |
-| TP | engram.wkv | its input columns (whole 32-blocks of hash columns) | all-reduce of the fp32 result |
-| EXPERTS | ffn.experts.E | EP group rank // moe_tp runs experts [g E/ep, (g+1) E/ep) | all-reduce of the routed sum |
-| VOCAB | embed, head | vocabulary rows [r V/tp, (r+1) V/tp) | all-reduce of the looked-up rows / all-gather of logits |
+| TP | attn.wo_b | those groups' input columns (row-parallel) | chain of the K-block partials |
+| TP | ffn.shared_experts | w1 / w3 rows and w2 columns of inter / tp | chain of w2's K-block partials |
+| TP | engram.wkv | its input columns (whole 32-blocks of hash columns) | chain of the K-block partials |
+| EXPERTS | ffn.experts.E | EP group rank // moe_tp runs experts [g E/ep, (g+1) E/ep) | chain of the routed sum |
+| VOCAB | embed, head | vocabulary rows [r V/tp, (r+1) V/tp) | all-gather of the rows / of the logits |
 | REPLICATED, HOST | the rest: norms, wq_a, wkv, compressor, indexer, gate, hc, engram tables | all of it | - |
 
-Every all-reduce sums fp32 values before the one bf16 rounding the single process makes there, so
-a sharded run differs from one process only in the order its fp32 partial sums are added (each
-row-parallel GEMM's K split into tp ranges), well inside `dsneuron compare`'s floor; the routing,
-the caches and everything replicated are bit-identical on every rank. The routed experts of one
-rank are summed in ascending id, as one process sums them, and the ranks' sums are then added.
+Exact by construction: where one process adds terms in a fixed order (a GEMM's K-block partials,
+a token's routed experts by ascending id) and a rank holds a contiguous run of them, the ranks add
+theirs in rank order onto one fp32 accumulator passed along (`Comm.chain`) instead of summing
+partial results (an all-reduce re-associates, and tiny's random weights turn the last-bit
+differences into other greedy tokens: 6 of 9 steps agreed in a trial). So a sharded run gives one
+process's logits bit for bit; the cost is that the row-parallel stages run one rank after the
+other. The routing, the caches and everything replicated are computed identically on every rank.
 
-This is the parallel rule on the eager golden model (the golden's GEMM orders, the routed MoE),
-run by `run_sharded` with torch.distributed's gloo backend on this host: the oracle of the sharded
-cpu target. Not done yet, and refused by name: an expert split over moe_tp = tp / ep > 1 ranks, a
-tp that does not divide model.o_groups, the compiled stages. Shapes follow the official
-DeepSeek-V4 inference/model.py parallel layers (ColumnParallelLinear / RowParallelLinear /
-ParallelEmbedding, its `world_size` split) and NxDI's moe_ep_degree x moe_tp_degree.
+This is the parallel rule on the eager golden model (GEMM order "ascending", the routed MoE), run
+by `run_sharded` with torch.distributed's gloo backend on this host: the oracle of the sharded cpu
+target, whose compiled stages are not sharded yet. Not done yet either, and refused by name: an
+expert split over moe_tp = tp / ep > 1 ranks, a tp that does not divide model.o_groups. Shapes
+follow the official DeepSeek-V4 inference/model.py parallel layers (ColumnParallelLinear /
+RowParallelLinear / ParallelEmbedding, its `world_size` split) and NxDI's moe_ep_degree x
+moe_tp_degree.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -54,25 +57,36 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class Comm:
-    """The collectives of one rank (torch.distributed's default group). world 1: no-ops."""
+    """The collectives of rank `rank` of `world` (torch.distributed's default group). world 1: no-ops."""
 
+    rank: int
     world: int
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of t over the ranks, a new tensor (t [..] any shape, fp32)."""
+    def chain(self, add: Callable[[torch.Tensor], torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
+        """An fp32 sum the ranks continue in rank order: rank 0 runs add(zero), rank r > 0 runs `add`
+        on rank r-1's result, and the last rank's result is every rank's. So the adds are those one
+        process makes when it adds rank 0's terms, then rank 1's, ... (a row-parallel GEMM's K
+        blocks, the routed experts by id): bit-identical to it, where an all-reduce would
+        re-associate. Costs one send per rank and a broadcast, in sequence."""
         if self.world == 1:
-            return t
-        out = t.clone()
-        dist.all_reduce(out)
-        return out
+            return add(zero)
+        acc = zero
+        if self.rank > 0:
+            acc = torch.empty_like(zero)
+            dist.recv(acc, self.rank - 1)
+        acc = add(acc).contiguous()
+        if self.rank < self.world - 1:
+            dist.send(acc, self.rank + 1)
+        dist.broadcast(acc, self.world - 1)
+        return acc
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        """The ranks' t [..., n] concatenated in rank order along the last dim -> [..., world * n]."""
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' t [...] stacked in rank order -> [world, ...]."""
         if self.world == 1:
-            return t
+            return t.unsqueeze(0)
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.stack(parts)
 
 
 def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
@@ -115,30 +129,32 @@ def _span(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 class VocabEmbedding(nn.Module):
-    """Rows [lo, lo + n) of the embedding (official ParallelEmbedding): tokens outside look up zero,
-    and the ranks' lookups are summed, so every rank gets the full bf16 rows."""
+    """Rows [rank * per, (rank + 1) * per) of the embedding bf16 [V, D] (official ParallelEmbedding):
+    each rank looks up the tokens it holds, the lookups are all-gathered and each token takes its
+    owner's row, so every rank gets the exact rows [B, S, D]."""
 
-    def __init__(self, weight: torch.Tensor, lo: int, comm: Comm):
+    def __init__(self, weight: torch.Tensor, per: int, comm: Comm):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.lo, self.comm = lo, comm
+        self.per, self.comm = per, comm
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        local = tokens - self.lo
-        inside = (local >= 0) & (local < self.weight.size(0))
-        rows = self.weight[local.clamp(0, self.weight.size(0) - 1)] * inside.unsqueeze(-1).to(self.weight.dtype)
-        return self.comm.all_reduce(rows.float()).to(self.weight.dtype)
+        local = (tokens - self.comm.rank * self.per).clamp(0, self.weight.size(0) - 1)
+        rows = self.comm.all_gather(self.weight[local])  # [world, B, S, D]
+        owner = (tokens // self.per).clamp(max=self.comm.world - 1)
+        return rows.gather(0, owner.unsqueeze(0).unsqueeze(-1).expand(1, *rows.shape[1:]))[0]
 
 
 class VocabHead(nn.Module):
-    """The head's vocabulary rows of this rank: fp32 logits [.., V/tp], all-gathered to [.., V]."""
+    """The head's vocabulary rows of this rank: fp32 logits [.., per], all-gathered to [.., V]."""
 
     def __init__(self, head: Linear, vocab: int, comm: Comm):
         super().__init__()
         self.head, self.vocab, self.comm = head, vocab, comm
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(self.head(y))[..., : self.vocab]
+        parts = self.comm.all_gather(self.head(y))  # [world, ..., per]
+        return torch.cat(list(parts), dim=-1)[..., : self.vocab]
 
 
 def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Transformer:
@@ -161,7 +177,7 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         cols = (rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank)
         _shard_linear(attn.wo_a, *cols, 0)
         _shard_linear(attn.wo_b, *cols, 1)
-        attn.wo_b.reduce = comm.all_reduce
+        attn.wo_b.chain = comm.chain
         attn.cfg = dataclasses.replace(attn.cfg, n_heads=heads, o_groups=groups)
         moe = block.ffn
         n_exp = moe.n_experts
@@ -171,23 +187,23 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         for e in range(n_exp):
             if not lo <= e < hi:
                 moe.experts[e] = nn.Module()  # another group's expert: nothing held here
-        moe.owned, moe.reduce = range(lo, hi), comm.all_reduce
+        moe.owned, moe.chain = range(lo, hi), comm.chain
         if placement(cfg, par, f"layers.{L}.ffn.shared_experts.w1.weight") == TP:
             sh = moe.shared_experts
             a, b = _span(sh.w1.out_features, tp, rank)
             _shard_linear(sh.w1, a, b, 0)
             _shard_linear(sh.w3, a, b, 0)
             _shard_linear(sh.w2, a, b, 1)
-            sh.w2.reduce = comm.all_reduce
+            sh.w2.chain = comm.chain
         if block.engram is not None and placement(cfg, par, f"layers.{L}.engram.wkv.weight") == TP:
             a, b = _span(block.engram.wkv.in_features, tp, rank)
             _shard_linear(block.engram.wkv, a, b, 1)
-            block.engram.wkv.reduce = comm.all_reduce
+            block.engram.wkv.chain = comm.chain
             block.engram.wkv_cols = slice(a, b)
     assert placement(cfg, par, "embed.weight") == VOCAB and placement(cfg, par, "head.weight") == VOCAB
     per = -(-cfg.vocab_size // tp)
     lo, hi = rank * per, min(cfg.vocab_size, (rank + 1) * per)
-    model.embed = VocabEmbedding(model.embed.weight.data[lo:hi].clone(), lo, comm)
+    model.embed = VocabEmbedding(model.embed.weight.data[lo:hi].clone(), per, comm)
     head = model.head
     # pad the last rank's rows so that every rank's logits have V/tp columns for the all-gather
     w = head.weight.data[lo:hi]
@@ -217,7 +233,7 @@ def _rank_main(rank: int, args: dict[str, Any]) -> None:
                             world_size=args["par"].tp)
     try:
         golden = Golden(args["cfg"], Path(args["checkpoint"]), args["max_seq_len"])
-        shard_model(golden.model, args["par"], rank, Comm(args["par"].tp))
+        shard_model(golden.model, args["par"], rank, Comm(rank, args["par"].tp))
         records = golden.teacher_forced(args["ids"], args["n_prompt"])
         torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
     finally:

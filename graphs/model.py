@@ -72,8 +72,8 @@ from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_f
 from dsneuron.kernels_nki.rms_norm import mean_square, rms_norm
 
 from .config import INDEXER_MODES, ModelConfig
-from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, block_scaled_matmul,
-                    dequant_fp4_weight, dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq,
+from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, add_blocks,
+                    block_partials, dequant_fp4_weight, dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq,
                     fp4_operand_bytes, fp8_activation, fp8_linear, linear_fp32, quantize_state, window_format)
 
 
@@ -295,16 +295,15 @@ class Linear(nn.Module):
     #: float64 [out, in] copy of the weight's values kept by `Transformer.cache_dequantized`
     #: (eager golden only: its exact GEMMs run in float64)
     cached: torch.Tensor | None = None
-    #: a row-parallel shard's sum over the ranks of the fp32 result, before its bf16 rounding
-    #: (compiler/parallel.py); None in one process
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: a row-parallel shard (compiler/parallel.py Comm.chain): its ranks add their K blocks' partials
+    #: in rank order onto one fp32 accumulator, the adds one process makes; None in one process
+    chain: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if NUMERICS.gemm_order == "kernel":
             return self.kernel_forward(x)
-        if self.reduce is not None:
-            y = self.reduce(self.fp32_forward(x))
-            return y if self.kind == "fp32" else y.to(torch.bfloat16)
+        if self.chain is not None:
+            return self.chained_forward(x)
         if self.kind in ("fp8", "fp4"):
             w = self.cached if self.cached is not None else self.dequantized()
             return fp8_linear(x, w, self.block, NUMERICS.gemm_order)
@@ -314,14 +313,16 @@ class Linear(nn.Module):
             return linear_fp32(x.to(torch.bfloat16).float(), w, NUMERICS.gemm_order).to(torch.bfloat16)
         return linear_fp32(x.float(), w, NUMERICS.gemm_order)
 
-    def fp32_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """forward's fp32 result before its bf16 rounding (the golden's orders): what a row-parallel
-        shard adds up over the ranks."""
-        w = self.cached if self.cached is not None else (self.dequantized() if self.kind in ("fp8", "fp4") else self.weight)
-        if self.kind in ("fp8", "fp4"):
-            return block_scaled_matmul(fp8_activation(x, self.block), w, self.block, NUMERICS.gemm_order)
-        a = x.to(torch.bfloat16).float() if self.kind == "bf16" else x.float()
-        return linear_fp32(a, w, NUMERICS.gemm_order)
+    def chained_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward of a row-parallel FP8/FP4 shard in order "ascending": this rank's block partials
+        (quant.block_partials) added onto the previous ranks' sum by `chain`, then the one bf16
+        rounding: bit-identical to the unsharded forward."""
+        if self.kind not in ("fp8", "fp4") or NUMERICS.gemm_order != "ascending":
+            raise NotImplementedError(f"a row-parallel {self.kind} linear in GEMM order {NUMERICS.gemm_order!r}")
+        w = self.cached if self.cached is not None else self.dequantized()
+        partials = block_partials(fp8_activation(x, self.block), w, self.block)
+        zero = partials.new_zeros(partials.shape[1:])
+        return self.chain(lambda acc: add_blocks(acc, partials), zero).to(torch.bfloat16)
 
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -914,10 +915,11 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, n_exp, topk)
         self.experts = nn.ModuleList([Expert(cfg.dim, cfg.moe_inter_dim, "fp4", cfg.swiglu_limit) for _ in range(n_exp)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, "fp8", cfg.swiglu_limit)
-        #: the routed experts this process runs, and the sum over the ranks of their fp32 output before
-        #: the shared expert is added: an expert-parallel shard's (compiler/parallel.py), else all and None
+        #: the routed experts this process runs, and how ranks in turn add theirs onto one fp32 sum
+        #: (ascending ids across the ranks, as one process adds them): an expert-parallel shard's
+        #: (compiler/parallel.py Comm.chain), else all and None
         self.owned: range = range(n_exp)
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.chain: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
         """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True loops over the experts, each on its tokens
@@ -933,13 +935,14 @@ class MoE(nn.Module):
         if NUMERICS.gemm_order == "kernel" and not routed:
             y = self._kernel_experts(x, weights, indices)
         elif routed:
-            for e in self.owned:
-                rows, slot = torch.where(indices == e)
-                if rows.numel():
-                    y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
-            if self.reduce is not None:
-                y = self.reduce(y)
-        elif self.reduce is not None:
+            def add_owned(y: torch.Tensor) -> torch.Tensor:
+                for e in self.owned:
+                    rows, slot = torch.where(indices == e)
+                    if rows.numel():
+                        y[rows] += self.experts[e](x[rows], weights[rows, slot, None])
+                return y
+            y = add_owned(y) if self.chain is None else self.chain(add_owned, y)
+        elif self.chain is not None:
             raise NotImplementedError("an expert-parallel MoE runs the routed loop only (routed=True)")
         elif x.size(0) * self.gate.topk < self.n_experts:
             # each token's experts in ascending id order: the order the routed loop adds them in

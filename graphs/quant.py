@@ -491,11 +491,8 @@ def _chunk_rows(bytes_per_row: int) -> int:
 def _sum_blocks(partials: torch.Tensor, order: str) -> torch.Tensor:
     """fp32 partials [KB, ...] -> fp32 [...]: 0 + p_0 + p_1 + ... (ascending) or from the last
     block down (descending), one rounding per add; an explicit loop pins the order."""
-    kb = partials.shape[0]
-    acc = partials.new_zeros(partials.shape[1:])
-    for i in (range(kb - 1, -1, -1) if order == "descending" else range(kb)):
-        acc = acc + partials[i]
-    return acc
+    zero = partials.new_zeros(partials.shape[1:])
+    return add_blocks(zero, partials.flip(0) if order == "descending" else partials)
 
 
 def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -557,14 +554,43 @@ def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order
     a_rows = a.reshape(-1, k)
     if order == "fused":
         return rows_stable_linear(a_rows, w.float()).reshape(*lead, n)
+    out = [_sum_blocks(partials, order) for partials in _block_partials(a_rows, w, block)]
+    return (torch.cat(out) if len(out) != 1 else out[0]).reshape(*lead, n)
+
+
+def _block_partials(a_rows: torch.Tensor, w: torch.Tensor, block: int):
+    """a fp32 [M, K], w [N, K] -> the fp32 block partials [KB, M', N] of successive row chunks
+    (`block_scaled_matmul`: each exact in float64, rounded once), chunks of at most 256 MiB."""
+    n, k = w.shape
     kb = k // block
     w_blocks = w.double().reshape(n, kb, block).permute(1, 2, 0)  # [KB, block, N]
     step = _chunk_rows(8 * kb * n)
-    out = []
     for r0 in range(0, max(a_rows.shape[0], 1), step):
         a_blocks = a_rows[r0:r0 + step].double().reshape(-1, kb, block).transpose(0, 1)  # [KB, M', block]
-        out.append(_sum_blocks(torch.bmm(a_blocks, w_blocks).float(), order))
-    return (torch.cat(out) if len(out) != 1 else out[0]).reshape(*lead, n)
+        yield torch.bmm(a_blocks, w_blocks).float()
+
+
+def block_partials(a: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The block partials `block_scaled_matmul` adds up: a fp32 [..., K], w fp32/fp64 [N, K] ->
+    fp32 [KB, ..., N], partial b = a[..., block b] @ w[:, block b].T, exact in float64 and rounded
+    once. Adding them to 0 in ascending b, one rounding per add, is block_scaled_matmul's
+    "ascending" result; a row-parallel shard adds its blocks onto the previous rank's sum
+    (compiler/parallel.py Comm.chain), which is the same sequence of adds."""
+    if a.dtype != torch.float32 or w.dim() != 2 or a.dim() == 0 or a.shape[-1] != w.shape[1]:
+        raise ValueError(f"block_partials: need a fp32 [..., K] and w [N, K], got {a.dtype} {tuple(a.shape)} and "
+                         f"{tuple(w.shape)}")
+    _check_blocks(w, block, "block_partials")
+    lead = a.shape[:-1]
+    parts = torch.cat(list(_block_partials(a.reshape(-1, a.shape[-1]), w, block)), dim=1)
+    return parts.reshape(parts.shape[0], *lead, w.shape[0])
+
+
+def add_blocks(acc: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
+    """acc fp32 [...] + partials[0] + partials[1] + ... (partials [KB, ...]), one rounding per add in
+    this order: `_sum_blocks` "ascending" continued from acc instead of 0."""
+    for i in range(partials.shape[0]):
+        acc = acc + partials[i]
+    return acc
 
 
 #: fp32 GEMMs on some CPUs (MKL) take another kernel, with another summation order, below 8 rows
