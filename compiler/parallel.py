@@ -23,10 +23,14 @@ differences into other greedy tokens: 6 of 9 steps agreed in a trial). So a shar
 process's logits bit for bit; the cost is that the row-parallel stages run one rank after the
 other. The routing, the caches and everything replicated are computed identically on every rank.
 
-This is the parallel rule on the eager golden model (GEMM order "ascending", the routed MoE), run
-by `run_sharded` with torch.distributed's gloo backend on this host: the oracle of the sharded cpu
-target, whose compiled stages are not sharded yet. Not done yet either, and refused by name: an
-expert split over moe_tp = tp / ep > 1 ranks, a tp that does not divide model.o_groups. Shapes
+The collectives are the ops of runtime_min/collectives.py, so the same shard runs eagerly in both
+GEMM orders (the golden's "ascending" with the routed MoE, and the cpu target's "kernel", whose
+row-parallel GEMMs continue the previous rank's sums with `gemm_panels_acc`) and as AOTInductor
+stage executables, which call the ops through the proxy executor: tests/test_parallel.py checks
+each against one process bit for bit. `run_sharded` runs the eager shards with torch.distributed's
+gloo backend on this host. Not done yet: sharded bundles (per-rank weights, the world size in the
+manifest) and `dsneuron run` launching the ranks. Refused by name: an expert split over moe_tp =
+tp / ep > 1 ranks, a tp that does not divide model.o_groups. Shapes
 follow the official DeepSeek-V4 inference/model.py parallel layers (ColumnParallelLinear /
 RowParallelLinear / ParallelEmbedding, its `world_size` split) and NxDI's moe_ep_degree x
 moe_tp_degree.
@@ -35,6 +39,7 @@ moe_tp_degree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import tempfile
@@ -46,10 +51,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsneuron.graphs.config import ModelConfig
-from dsneuron.graphs.model import Linear, Transformer
-
 from dsneuron import UserError
+from dsneuron.graphs.config import ModelConfig
+from dsneuron.graphs.golden import Golden
+from dsneuron.graphs.model import Linear, Transformer, gemm_order
+from dsneuron.graphs.steps import decode, prefill
+from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
+
 from .plan import EXPERTS, TP, VOCAB, Parallel, placement
 
 BLOCK = 32
@@ -57,36 +65,25 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class Comm:
-    """The collectives of rank `rank` of `world` (torch.distributed's default group). world 1: no-ops."""
+    """The collectives of rank `rank` of `world`, as the ops of runtime_min/collectives.py (so that
+    eager runs and compiled stages make the same calls). Without a process group: no-ops."""
 
     rank: int
     world: int
 
-    def chain(self, add: Callable[[torch.Tensor], torch.Tensor], zero: torch.Tensor) -> torch.Tensor:
+    def chain(self, add: Callable[[torch.Tensor], torch.Tensor], zero: torch.Tensor, tag: int = 0) -> torch.Tensor:
         """An fp32 sum the ranks continue in rank order: rank 0 runs add(zero), rank r > 0 runs `add`
         on rank r-1's result, and the last rank's result is every rank's. So the adds are those one
         process makes when it adds rank 0's terms, then rank 1's, ... (a row-parallel GEMM's K
         blocks, the routed experts by id): bit-identical to it, where an all-reduce would
-        re-associate. Costs one send per rank and a broadcast, in sequence."""
-        if self.world == 1:
-            return add(zero)
-        acc = zero
-        if self.rank > 0:
-            acc = torch.empty_like(zero)
-            dist.recv(acc, self.rank - 1)
-        acc = add(acc).contiguous()
-        if self.rank < self.world - 1:
-            dist.send(acc, self.rank + 1)
-        dist.broadcast(acc, self.world - 1)
-        return acc
+        re-associate. Costs one send per rank and a broadcast, in sequence. `tag` keeps two chains
+        of one graph apart."""
+        acc = torch.ops.dsneuron.chain_recv(zero, tag)
+        return torch.ops.dsneuron.chain_pass(add(acc), tag)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """The ranks' t [...] stacked in rank order -> [world, ...]."""
-        if self.world == 1:
-            return t.unsqueeze(0)
-        parts = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(parts, t.contiguous())
-        return torch.stack(parts)
+        return torch.ops.dsneuron.gather_ranks(t, self.world)
 
 
 def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
@@ -145,16 +142,13 @@ class VocabEmbedding(nn.Module):
         return rows.gather(0, owner.unsqueeze(0).unsqueeze(-1).expand(1, *rows.shape[1:]))[0]
 
 
-class VocabHead(nn.Module):
-    """The head's vocabulary rows of this rank: fp32 logits [.., per], all-gathered to [.., V]."""
-
-    def __init__(self, head: Linear, vocab: int, comm: Comm):
-        super().__init__()
-        self.head, self.vocab, self.comm = head, vocab, comm
-
-    def forward(self, y: torch.Tensor) -> torch.Tensor:
-        parts = self.comm.all_gather(self.head(y))  # [world, ..., per]
-        return torch.cat(list(parts), dim=-1)[..., : self.vocab]
+def gather_vocab(comm: Comm, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The head's gather: each rank's fp32 logits [..., per] side by side in rank order, cut to the
+    vocabulary [..., vocab] (the last rank's rows are zero-padded to per)."""
+    def gather(y: torch.Tensor) -> torch.Tensor:
+        parts = comm.all_gather(y)  # [world, ..., per]
+        return torch.cat([parts[r] for r in range(comm.world)], dim=-1)[..., :vocab]
+    return gather
 
 
 def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Transformer:
@@ -177,7 +171,7 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         cols = (rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank)
         _shard_linear(attn.wo_a, *cols, 0)
         _shard_linear(attn.wo_b, *cols, 1)
-        attn.wo_b.chain = comm.chain
+        attn.wo_b.chain = functools.partial(comm.chain, tag=4 * L)
         attn.cfg = dataclasses.replace(attn.cfg, n_heads=heads, o_groups=groups)
         moe = block.ffn
         n_exp = moe.n_experts
@@ -187,18 +181,18 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         for e in range(n_exp):
             if not lo <= e < hi:
                 moe.experts[e] = nn.Module()  # another group's expert: nothing held here
-        moe.owned, moe.chain = range(lo, hi), comm.chain
+        moe.owned, moe.chain = range(lo, hi), functools.partial(comm.chain, tag=4 * L + 1)
         if placement(cfg, par, f"layers.{L}.ffn.shared_experts.w1.weight") == TP:
             sh = moe.shared_experts
             a, b = _span(sh.w1.out_features, tp, rank)
             _shard_linear(sh.w1, a, b, 0)
             _shard_linear(sh.w3, a, b, 0)
             _shard_linear(sh.w2, a, b, 1)
-            sh.w2.chain = comm.chain
+            sh.w2.chain = functools.partial(comm.chain, tag=4 * L + 2)
         if block.engram is not None and placement(cfg, par, f"layers.{L}.engram.wkv.weight") == TP:
             a, b = _span(block.engram.wkv.in_features, tp, rank)
             _shard_linear(block.engram.wkv, a, b, 1)
-            block.engram.wkv.chain = comm.chain
+            block.engram.wkv.chain = functools.partial(comm.chain, tag=4 * L + 3)
             block.engram.wkv_cols = slice(a, b)
     assert placement(cfg, par, "embed.weight") == VOCAB and placement(cfg, par, "head.weight") == VOCAB
     per = -(-cfg.vocab_size // tp)
@@ -210,8 +204,7 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
     if w.size(0) < per:
         w = torch.cat([w, w.new_zeros(per - w.size(0), w.size(1))])
     head.weight = nn.Parameter(w.clone(), requires_grad=False)
-    head.out_features, head.cached = per, None
-    model.head = VocabHead(head, cfg.vocab_size, comm)
+    head.out_features, head.cached, head.gather = per, None, gather_vocab(comm, cfg.vocab_size)
     model.cache_dequantized()
     return model
 
@@ -225,17 +218,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, args: dict[str, Any]) -> None:
-    from dsneuron.graphs.golden import Golden
+def teacher_forced(golden: Golden, ids: list[int], n_prompt: int, order: str = "ascending") -> list[torch.Tensor]:
+    """Teacher-forced logits fp32 [V] per step of golden's model (sharded or not): order
+    "ascending" is Golden.teacher_forced (the golden's numerics, the routed MoE); "kernel" runs the
+    cpu target's numerics eagerly (its cpu kernels on prepared weights, the MoE's grouped GEMM),
+    what its executables compute. Raises ValueError for another order."""
+    if order == "ascending":
+        return [r.logits for r in golden.teacher_forced(ids, n_prompt)]
+    if order != "kernel":
+        raise ValueError(f"teacher_forced: order must be ascending or kernel, got {order!r}")
+    golden.attach_kernel_weights()
+    t = torch.tensor([ids], dtype=torch.int64)
+    eng = golden.engram_ids(t)
+    with torch.inference_mode(), gemm_order("kernel"):
+        logits, state = prefill(golden.model, t[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], None)
+        out = [logits[0]]
+        for p in range(n_prompt, len(ids)):
+            logits, state = decode(golden.model, t[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, None)
+            out.append(logits[0])
+    return out
 
+
+def _rank_main(rank: int, args: dict[str, Any]) -> None:
     torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}", rank=rank,
                             world_size=args["par"].tp)
     try:
         golden = Golden(args["cfg"], Path(args["checkpoint"]), args["max_seq_len"])
         shard_model(golden.model, args["par"], rank, Comm(rank, args["par"].tp))
-        records = golden.teacher_forced(args["ids"], args["n_prompt"])
-        torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
+        logits = teacher_forced(golden, args["ids"], args["n_prompt"], args["order"])
+        torch.save({"logits": logits, "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -256,9 +268,9 @@ class ShardedRun:
 
 
 def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Parallel, ids: list[int],
-                n_prompt: int) -> ShardedRun:
+                n_prompt: int, order: str = "ascending") -> ShardedRun:
     """Teacher-forced logits (prefill of ids[:n_prompt], then one step per decoded id, as
-    Golden.teacher_forced) from par.tp processes (torch.multiprocessing spawn, gloo over loopback),
+    `teacher_forced` in `order`) from par.tp processes (torch.multiprocessing spawn, gloo over loopback),
     each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
     cpu target cannot shard, RuntimeError when a rank fails."""
     import torch.multiprocessing as mp
@@ -267,7 +279,7 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
     threads = max(1, (os.cpu_count() or 1) // par.tp)
     with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
         args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
-                "n_prompt": n_prompt, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
+                "n_prompt": n_prompt, "order": order, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, args)) for r in range(par.tp)]
         for p in procs:

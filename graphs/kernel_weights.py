@@ -61,8 +61,8 @@ def kernel_recipes(model: Transformer, stored: dict[str, torch.Tensor]) -> list[
             add(f"{p}wo_a_", [f"{p}wo_a.weight"], [], groups=mod.cfg.o_groups)
         elif isinstance(mod, MoE):
             for w in ("w1", "w2", "w3"):
-                add(f"{p}experts_{w}_", [f"{p}experts.{e}.{w}.weight" for e in range(mod.n_experts)],
-                    [f"{p}experts.{e}.{w}.scale" for e in range(mod.n_experts)])
+                add(f"{p}experts_{w}_", [f"{p}experts.{e}.{w}.weight" for e in mod.owned],
+                    [f"{p}experts.{e}.{w}.scale" for e in mod.owned])
     return out
 
 

@@ -180,14 +180,19 @@ def write_slot(cache: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> to
     return cache.scatter(1, slot_index(slot, cache.size(2)), row)
 
 
-def kernel_gemm(a: torch.Tensor, owner: nn.Module, prefix: str, fmt: str, n: int) -> torch.Tensor:
+def kernel_gemm(a: torch.Tensor, owner: nn.Module, prefix: str, fmt: str, n: int,
+                init: torch.Tensor | None = None) -> torch.Tensor:
     """a fp32 [..., K] @ W.T -> fp32 [..., n] through the cpu kernel (GEMM order "kernel"), W the
-    prepared weight `owner` holds as buffers <prefix>kernel_w / <prefix>kernel_w_scale."""
+    prepared weight `owner` holds as buffers <prefix>kernel_w / <prefix>kernel_w_scale; with init
+    fp32 [..., n] each element's block sum starts from init (cpu_gemm.gemm_acc)."""
     from dsneuron.kernels_nki import cpu_gemm  # builds the kernels on first use
 
     lead = a.shape[:-1]
-    w, ws = getattr(owner, f"{prefix}kernel_w"), getattr(owner, f"{prefix}kernel_w_scale")
-    return cpu_gemm.gemm(a.reshape(-1, a.shape[-1]), {"w": w, "w_scale": ws}, fmt, n).reshape(*lead, n)
+    prepared = {"w": getattr(owner, f"{prefix}kernel_w"), "w_scale": getattr(owner, f"{prefix}kernel_w_scale")}
+    a2 = a.reshape(-1, a.shape[-1])
+    if init is None:
+        return cpu_gemm.gemm(a2, prepared, fmt, n).reshape(*lead, n)
+    return cpu_gemm.gemm_acc(a2, prepared, fmt, n, init.reshape(-1, n)).reshape(*lead, n)
 
 
 def kernel_gemm_segments(a: torch.Tensor, offsets: torch.Tensor, owner: nn.Module, prefix: str, fmt: str,
@@ -298,8 +303,16 @@ class Linear(nn.Module):
     #: a row-parallel shard (compiler/parallel.py Comm.chain): its ranks add their K blocks' partials
     #: in rank order onto one fp32 accumulator, the adds one process makes; None in one process
     chain: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+    #: a column-parallel shard whose outputs every rank needs (the vocabulary-parallel head): the
+    #: ranks' outputs put side by side (compiler/parallel.py); None in one process
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local_forward(x)
+        return y if self.gather is None else self.gather(y)
+
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> this shard's output [..., out] (all of it in one process)."""
         if NUMERICS.gemm_order == "kernel":
             return self.kernel_forward(x)
         if self.chain is not None:
@@ -329,8 +342,15 @@ class Linear(nn.Module):
         """forward through the cpu kernel on the prepared weight: the same activation (FP8 QDQ,
         bf16 or fp32 values) and output dtype as the other orders."""
         if self.kind in ("fp8", "fp4"):
-            y = kernel_gemm(kernel_fp8_activation(x, self.block), self, "", self.kind, self.out_features)
+            a = kernel_fp8_activation(x, self.block)
+            if self.chain is not None:  # a row-parallel shard continues the previous ranks' block sums
+                zero = a.new_zeros(*a.shape[:-1], self.out_features)
+                y = self.chain(lambda acc: kernel_gemm(a, self, "", self.kind, self.out_features, acc), zero)
+            else:
+                y = kernel_gemm(a, self, "", self.kind, self.out_features)
         else:
+            if self.chain is not None:
+                raise NotImplementedError(f"a row-parallel {self.kind} linear")
             a = x.to(torch.bfloat16).float() if self.kind == "bf16" else x.float()
             y = kernel_gemm(a, self, "", _plain_fmt(self, ""), self.out_features)
         return y if self.kind == "fp32" else y.to(torch.bfloat16)
@@ -970,9 +990,13 @@ class MoE(nn.Module):
         w = weights.gather(1, perm).reshape(-1)
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # [N*k] pairs grouped by expert
-        offsets = torch.searchsorted(flat[order], torch.arange(self.n_experts + 1, device=x.device))
+        lo, hi = self.owned.start, self.owned.stop
+        offsets = torch.searchsorted(flat[order], torch.arange(lo, hi + 1, device=x.device))
+        shard = (lo, hi) != (0, self.n_experts)
+        if shard:  # an EP shard holds experts lo..hi-1: other ranks' rows run with its first or last expert, unused
+            offsets = torch.cat([offsets.new_zeros(1), offsets[1:-1], offsets.new_full((1,), N * k)])
         a = kernel_fp8_activation(x, 32)[order // k]  # each row's token, QDQ'd as its expert's linear does
-        ex = self.experts[0]
+        ex = self.experts[lo]
         gate = kernel_gemm_segments(a, offsets, self, "experts_w1_", "fp4", ex.w1.out_features).to(x.dtype).float()
         up = kernel_gemm_segments(a, offsets, self, "experts_w3_", "fp4", ex.w3.out_features).to(x.dtype).float()
         if ex.limit > 0:
@@ -982,10 +1006,15 @@ class MoE(nn.Module):
         out = kernel_gemm_segments(kernel_fp8_activation(h.to(x.dtype), 32), offsets, self, "experts_w2_", "fp4",
                                    ex.w2.out_features).to(x.dtype)
         out = torch.empty_like(out).index_copy(0, order, out).view(N, k, -1)  # back to (token, its j-th expert)
+
+        def add_owned(y: torch.Tensor) -> torch.Tensor:
+            for j in range(k):
+                # another rank's expert adds +0, which leaves y as it is (y, a sum from +0, is never -0)
+                y = y + (torch.where(((ids[:, j] >= lo) & (ids[:, j] < hi)).unsqueeze(-1), out[:, j], 0)
+                         if shard else out[:, j])
+            return y
         y = torch.zeros_like(x, dtype=torch.float32)
-        for j in range(k):
-            y = y + out[:, j]
-        return y
+        return add_owned(y) if self.chain is None else self.chain(add_owned, y)
 
     def _stacked(self, which: str, ids: torch.Tensor | None) -> torch.Tensor:
         """fp32 [E', out, in]: the `which` (w1/w2/w3) projection of every routed expert (ids None,

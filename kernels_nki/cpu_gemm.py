@@ -4,6 +4,7 @@ Importing this module builds (first use, cached) and loads kernels_nki/cpu/gemm.
 act_quant.cpp and rms_norm.cpp (one extension), which register (besides the QDQ and state ops below)
 
     torch.ops.dsneuron.gemm_panels(a, w, w_scale, fmt, n)                        -> fp32 [M, n]
+    torch.ops.dsneuron.gemm_panels_acc(a, w, w_scale, fmt, n, init)             -> fp32 [M, n]   (sum from init)
     torch.ops.dsneuron.gemm_panels_segments(a, offsets, w, w_scale, fmt, n)     -> fp32 [R, n]
     torch.ops.dsneuron.sparse_attn_cpu(q, kv, sink, idx, scale)                 -> bf16 [B,S,H,D]  (cpu_attn.py)
     torch.ops.dsneuron.exp_cpu(x)                                               -> fp32            (cpu_attn.py)
@@ -180,6 +181,13 @@ def gemm(a: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str, n: int) -
     return torch.ops.dsneuron.gemm_panels(a, prepared["w"], prepared["w_scale"], FORMATS.index(fmt), n)
 
 
+def gemm_acc(a: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str, n: int, init: torch.Tensor) -> torch.Tensor:
+    """`gemm` with each output element's block sum continued from init fp32 [M, n] instead of 0
+    (acc = init; acc = acc + partial_b for the K blocks ascending): a row-parallel shard's GEMM
+    continued from the previous ranks' sum gives the unsharded GEMM bit for bit."""
+    return torch.ops.dsneuron.gemm_panels_acc(a, prepared["w"], prepared["w_scale"], FORMATS.index(fmt), n, init)
+
+
 def gemm_segments(a: torch.Tensor, offsets: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str,
                   n: int) -> torch.Tensor:
     """Grouped GEMM: rows offsets[e] .. offsets[e+1]-1 of a fp32 [R, K] against expert e of a stacked
@@ -325,6 +333,15 @@ def check_args(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 @torch.library.register_fake("dsneuron::gemm_panels")
 def _gemm_panels_fake(a, w, w_scale, fmt, n):
     check_args("gemm_panels", a, w, w_scale, fmt, n)
+    return a.new_empty((a.shape[0], n))
+
+
+@torch.library.register_fake("dsneuron::gemm_panels_acc")
+def _gemm_panels_acc_fake(a, w, w_scale, fmt, n, init):
+    check_args("gemm_panels_acc", a, w, w_scale, fmt, n)
+    if init.dim() != 2 or init.dtype != torch.float32 or tuple(init.shape) != (a.shape[0], n):
+        raise ValueError(f"gemm_panels_acc: init must be a Float tensor [M, n] = [{a.shape[0]}, {n}], got "
+                         f"{init.dtype} {tuple(init.shape)}")
     return a.new_empty((a.shape[0], n))
 
 

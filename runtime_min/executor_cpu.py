@@ -25,7 +25,8 @@ from .schema import Bucket, BundleError, engram_columns
 _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
 #: the modules that register a namespace's ops, imported in order until the op exists (the cpu
 #: GEMM kernels are a C++ extension built on first import, so only bundles that call them pay it)
-_OP_MODULES = {"dsneuron": ("dsneuron.kernels_nki", "dsneuron.kernels_nki.cpu_gemm", "dsneuron.kernels_nki.cpu_attn")}
+_OP_MODULES = {"dsneuron": ("dsneuron.kernels_nki", "dsneuron.kernels_nki.cpu_gemm", "dsneuron.kernels_nki.cpu_attn",
+                           "dsneuron.runtime_min.collectives")}
 
 
 def check_archive(path: Path) -> None:

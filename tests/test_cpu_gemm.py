@@ -458,3 +458,28 @@ def test_aoti_package_calls_the_ops(tmp_path):
         args = (activations(m, 96, gen), *weights, torch.tensor(offsets))
         (out,) = loader.boxed_run(list(args))
         assert_bits(out, _Linears()(*args))
+
+
+@pytest.mark.parametrize("fmt", G.FORMATS)
+def test_a_gemm_continued_from_the_previous_k_blocks_is_the_whole_gemm(fmt, portable_ops):
+    """gemm_panels_acc (a row-parallel shard's GEMM, compiler/parallel.py): the first K blocks' GEMM,
+    then the rest continued from it, is gemm_panels over all of K bit for bit, at every row count
+    (the direct and the buffered kernels) and on both ISA layers; a bad init is refused."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, cut = 70, 256, 96
+    weight, scale = checkpoint_weight(fmt, n, k, gen)
+    packed = 2 if fmt == "fp4" else 1
+    halves = [(weight[:, : cut // packed], None if scale is None else scale[:, : cut // 32]),
+              (weight[:, cut // packed:], None if scale is None else scale[:, cut // 32:])]
+    preps = [G.prepare_weight(fmt, w.contiguous(), None if s is None else s.contiguous()) for w, s in halves]
+    for m in (1, 5, 37):
+        a = activations(m, k, gen)
+        want = run(fmt, a, weight, scale)
+        for ns in (OPS, portable_ops):
+            first = ns.gemm_panels_acc(a[:, :cut].contiguous(), preps[0]["w"], preps[0]["w_scale"], G.FORMATS.index(fmt),
+                                       n, torch.zeros(m, n))
+            got = ns.gemm_panels_acc(a[:, cut:].contiguous(), preps[1]["w"], preps[1]["w_scale"], G.FORMATS.index(fmt),
+                                     n, first)
+            assert_bits(got, want)
+    with pytest.raises(ValueError, match=r"init must be a Float tensor \[M, n\] = \[37, 70\]"):
+        G.gemm_acc(a[:, cut:].contiguous(), preps[1], fmt, n, torch.zeros(37, 71))

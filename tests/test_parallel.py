@@ -4,6 +4,8 @@ bit, and the chained sum is one process's order of adds."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +90,74 @@ def test_a_row_parallel_sum_continued_from_the_previous_ranks_is_one_processes(m
 def test_a_rank_outside_the_world_is_refused(micro_cfg, micro_golden):
     with pytest.raises(ValueError, match=r"rank must be in 0..1, got 2"):
         shard_model(micro_golden.model, Parallel(2, 2), 2, Comm(2, 2))
+
+
+def _compiled_stages_rank(rank: int, world: int, args: dict) -> None:
+    """A process of test_compiled_sharded_stages: rank `rank` of `world` (1: the unsharded model, no
+    process group) runs micro's prefill stages eagerly in GEMM order "kernel", AOTInductor-compiles
+    an attention half and a MoE half (each holds a chain, the MoE half two) and saves what the
+    executables return on the eager run's inputs."""
+    import torch.distributed as dist
+
+    from dsneuron.compiler.backend_cpu import compile_cpu, effective_flags
+    from dsneuron.compiler.lower import inline_mode
+    from dsneuron.graphs.stages import build_stages, head_position
+    from dsneuron.runtime_min.schema import engram_columns
+
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}", rank=rank, world_size=world)
+    try:
+        golden = Golden(args["cfg"], args["checkpoint"], args["max_len"])
+        shard_model(golden.model, Parallel(world, world), rank, Comm(rank, world))
+        golden.attach_kernel_weights()
+        stages = build_stages(golden.model, "prefill", 1, args["max_len"], order="kernel")
+        t = torch.tensor([args["ids"]])
+        env = {"tokens": t, "valid_len": torch.tensor([t.shape[1]]), **engram_columns(golden.engram_ids(t))}
+        env["last"] = head_position(env)
+        compiled = {}
+        with torch.inference_mode():
+            for st in stages:
+                inputs = [env[n] for n in st.inputs]
+                if st.name in args["stages"]:
+                    with inline_mode("cpu"):
+                        program = torch.export.export(st.module, tuple(inputs), strict=False)
+                    calls = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+                    path = Path(args["out"]) / f"{st.name}.w{world}r{rank}.pt2"
+                    compile_cpu(program, path, effective_flags())
+                    compiled[st.name] = (list(torch._inductor.aoti_load_package(str(path))(*inputs)), calls)
+                env.update(zip(st.outputs, st.module(*inputs)))
+        torch.save(compiled, Path(args["out"]) / f"w{world}r{rank}.pt")
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def test_compiled_sharded_stages_give_the_unsharded_executables_bits(micro_cfg, micro_checkpoint, tmp_path):
+    """AOTInductor executables of sharded stages (TP=2, EP=2), run in two gloo processes, call the
+    chain ops and return what the unsharded executables return, bit for bit, on both ranks."""
+    import torch.multiprocessing as mp
+
+    from dsneuron.compiler.parallel import _free_port
+
+    names = ("layers.1.attn", "layers.1.ffn")
+    args = {"cfg": micro_cfg, "checkpoint": micro_checkpoint, "max_len": load_config("micro")[1].max_seq_len,
+            "ids": [(37 * i + 11) % 5000 + 100 for i in range(16)], "stages": names, "out": str(tmp_path),
+            "port": _free_port()}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_compiled_stages_rank, args=(r, w, args)) for r, w in ((0, 2), (1, 2), (0, 1))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    want = torch.load(tmp_path / "w1r0.pt")
+    for r in range(2):
+        got = torch.load(tmp_path / f"w2r{r}.pt")
+        for name in names:
+            outs, calls = got[name]
+            assert "dsneuron.chain_recv.default" in calls and "dsneuron.chain_pass.default" in calls, calls
+            assert "dsneuron.chain_recv.default" not in want[name][1]
+            assert len(outs) == len(want[name][0])
+            for a, b in zip(outs, want[name][0]):
+                assert torch.equal(a, b), name

@@ -161,10 +161,11 @@ void by_rows(int mr, F&& f) {
 }
 
 // `rows` rows of a (row stride K, or packed as tiles [K][6] when `packed`) against one panel ->
-// out[rows][cols] (row stride ldo), decoded on the fly (`direct`) or once into buf (K*16 floats)
+// out[rows][cols] (row stride ldo), decoded on the fly (`direct`) or once into buf (K*16 floats);
+// `acc`: each element's sum starts from what out holds (gemm_panels_acc) instead of 0
 template <class D>
 void run_panel(const D& d, const float* a, bool packed, bool direct, int64_t K, int64_t rows, float* out, int64_t ldo,
-               int64_t cols, float* buf) {
+               int64_t cols, float* buf, bool acc) {
   const int64_t kb = K / kBlock;
   const float* w = nullptr;
   if (!direct && !(w = values_in_place(d))) {
@@ -175,6 +176,8 @@ void run_panel(const D& d, const float* a, bool packed, bool direct, int64_t K, 
   for (int64_t m0 = 0; m0 < rows; m0 += kTile) {
     const int mr = int(std::min<int64_t>(kTile, rows - m0));
     std::fill(c, c + kTile * kPanel, 0.0f);
+    if (acc)
+      for (int m = 0; m < mr; ++m) std::copy(out + (m0 + m) * ldo, out + (m0 + m) * ldo + cols, c + m * kPanel);
     const float* am = a + m0 * K;  // row m0, or tile m0 / 6
     by_rows(mr, [&](auto MR) {
       if (!w) tile_direct<MR()>(d, am, K, kb, c);
@@ -258,11 +261,13 @@ int64_t check_a(const char* op, const Tensor& a) {
 struct Item { int64_t e, p, r0, r1; };
 
 // seg: row offsets of the E experts (one expert for gemm_panels); lead: 1 when w / s are stacked
+// init: nullptr, or fp32 [R, n] that each output element's sum starts from (gemm_panels_acc)
 Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s, int64_t fmt,
-           int64_t n, int lead) {
+           int64_t n, int lead, const Tensor* init = nullptr) {
   const Tensor a = a_in.is_contiguous() ? a_in : torch::stable::contiguous(a_in);
   const int64_t R = a.size(0), K = a.size(1), P = w.size(lead), E = int64_t(seg.size()) - 1;
-  Tensor out = torch::stable::new_empty(a, {R, n});
+  Tensor out = init ? torch::stable::clone(*init) : torch::stable::new_empty(a, {R, n});
+  if (init && !out.is_contiguous()) out = torch::stable::contiguous(out);
   if (R == 0 || n == 0) return out;
   // work items; rows are split (in whole tiles) only when the panels alone cannot feed the threads
   const int64_t nth = torch::stable::get_num_threads();
@@ -315,7 +320,8 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
       const float* at = packed ? ap.get() + (tile0[it.e] + (it.r0 - seg[it.e]) / kTile) * K * kTile : ab + it.r0 * K;
       const float* sp = sb ? sb + it.e * ses + it.p * sps : nullptr;
       with_decoder(fmt, wb + it.e * wes + it.p * wps, sp, K, [&](const auto& d) {
-        run_panel(d, at, packed, direct, K, it.r1 - it.r0, ob + it.r0 * n + it.p * kPanel, n, cols, buf.get());
+        run_panel(d, at, packed, direct, K, it.r1 - it.r0, ob + it.r0 * n + it.p * kPanel, n, cols, buf.get(),
+                  init != nullptr);
       });
     }
   });
@@ -326,6 +332,17 @@ Tensor gemm_panels(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
   const int64_t K = check_a("gemm_panels", a);
   check_n("gemm_panels", n, check_weight("gemm_panels", w, w_scale, fmt, K, 1, 0));
   return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0);
+}
+
+// init [M, n] fp32 + a @ W.T with every element's block sum continued from init[m, n] instead of 0:
+// the adds gemm_panels makes for all K when init is the sum of the K blocks before this shard's
+Tensor gemm_panels_acc(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n, Tensor init) {
+  const char* op = "gemm_panels_acc";
+  const int64_t K = check_a(op, a);
+  check_n(op, n, check_weight(op, w, w_scale, fmt, K, 1, 0));
+  DSN_CHECK(init.dim() == 2 && init.scalar_type() == ST::Float && init.size(0) == a.size(0) && init.size(1) == n, op,
+            ": init must be a Float tensor [M, n] = [", a.size(0), ", ", n, "], got ", describe(init));
+  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0, &init);
 }
 
 Tensor gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
@@ -351,10 +368,12 @@ Tensor gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, 
 
 STABLE_TORCH_LIBRARY_FRAGMENT(DSN_NS, m) {
   m.def("gemm_panels(Tensor a, Tensor w, Tensor w_scale, int fmt, int n) -> Tensor");
+  m.def("gemm_panels_acc(Tensor a, Tensor w, Tensor w_scale, int fmt, int n, Tensor init) -> Tensor");
   m.def("gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int fmt, int n) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(DSN_NS, CPU, m) {
   m.impl("gemm_panels", TORCH_BOX(&dsn::gemm_panels));
+  m.impl("gemm_panels_acc", TORCH_BOX(&dsn::gemm_panels_acc));
   m.impl("gemm_panels_segments", TORCH_BOX(&dsn::gemm_panels_segments));
 }
