@@ -133,6 +133,7 @@ def _compiled_stages_rank(rank: int, world: int, args: dict) -> None:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow  # about 60 s: two ranks and one process each compile two stages
 def test_compiled_sharded_stages_give_the_unsharded_executables_bits(micro_cfg, micro_checkpoint, tmp_path):
     """AOTInductor executables of sharded stages (TP=2, EP=2), run in two gloo processes, call the
     chain ops and return what the unsharded executables return, bit for bit, on both ranks."""
