@@ -58,7 +58,7 @@ from dsneuron.graphs.model import Linear, Transformer, gemm_order
 from dsneuron.graphs.steps import decode, prefill
 from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
 
-from .plan import EXPERTS, TP, VOCAB, Parallel, placement
+from .plan import EXPERTS, TP, VOCAB, Instance, Parallel, check_parallel, placement
 
 BLOCK = 32
 
@@ -87,7 +87,9 @@ class Comm:
 
 
 def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
-    """Refuse (UserError) what `shard_model` does not implement yet, beyond plan.check_parallel."""
+    """Refuse (UserError) a parallel plan the rule cannot place (plan.check_parallel, for a world of
+    par.tp processes) and what `shard_model` does not implement yet."""
+    check_parallel(cfg, par, Instance("processes", max(par.tp, 1), 1, 0, 0.0))
     if par.moe_tp != 1:
         raise UserError(f"--tp {par.tp} --ep {par.ep}: each expert would be split over tp/ep={par.moe_tp} ranks, which "
                         f"the cpu target does not run yet; use --ep {par.tp}")
@@ -248,6 +250,9 @@ def _rank_main(rank: int, args: dict[str, Any]) -> None:
         shard_model(golden.model, args["par"], rank, Comm(rank, args["par"].tp))
         logits = teacher_forced(golden, args["ids"], args["n_prompt"], args["order"])
         torch.save({"logits": logits, "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
+    except Exception as e:  # the parent names it; the rank's traceback goes to its stderr as well
+        Path(f"{args['out']}.{rank}.error").write_text(f"{type(e).__name__}: {e}")
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -272,10 +277,20 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
     """Teacher-forced logits (prefill of ids[:n_prompt], then one step per decoded id, as
     `teacher_forced` in `order`) from par.tp processes (torch.multiprocessing spawn, gloo over loopback),
     each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
-    cpu target cannot shard, RuntimeError when a rank fails."""
+    cpu target cannot shard or a checkpoint that is no folder, ValueError for ids / n_prompt the
+    model cannot run, RuntimeError naming each failed rank's error."""
     import torch.multiprocessing as mp
 
     check_shardable(cfg, par)
+    # what the ranks would each fail on, refused once here
+    if not 1 <= n_prompt <= len(ids):
+        raise ValueError(f"run_sharded: n_prompt must be in 1..{len(ids)} (the sequence length), got {n_prompt}")
+    if len(ids) > max_seq_len:
+        raise ValueError(f"run_sharded: {len(ids)} tokens exceed the context capacity max_seq_len={max_seq_len}")
+    if not all(0 <= int(t) < cfg.vocab_size for t in ids):
+        raise ValueError(f"run_sharded: token ids must be in 0..{cfg.vocab_size - 1} (model.vocab_size)")
+    if not Path(checkpoint).is_dir():
+        raise UserError(f"run_sharded: checkpoint {checkpoint} is not a folder")
     threads = max(1, (os.cpu_count() or 1) // par.tp)
     with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
         args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
@@ -286,8 +301,10 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
             p.start()
         for p in procs:
             p.join()
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+        bad = [r for r, p in enumerate(procs) if p.exitcode]
         if bad:
-            raise RuntimeError(f"sharded run: rank(s) {bad} exited with an error (see their tracebacks above)")
+            why = [Path(f"{args['out']}.{r}.error") for r in bad]
+            said = "; ".join(f"rank {r}: {w.read_text()}" for r, w in zip(bad, why) if w.exists())
+            raise RuntimeError(f"sharded run: rank(s) {bad} failed: {said or 'exit codes ' + str([procs[r].exitcode for r in bad])}")
         ranks = [torch.load(f"{args['out']}.{r}") for r in range(par.tp)]
         return ShardedRun(ranks[0]["logits"], [r["held"] for r in ranks])

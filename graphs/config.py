@@ -195,6 +195,12 @@ class ModelConfig:
         need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts", f"must be <= n_routed_experts={self.n_routed_experts}")
         need(self.norm_eps > 0, "norm_eps", "must be > 0")
         need(self.gate_temp > 0, "gate_temp", "must be > 0")
+        # RoPE / YaRN (model.py precompute_freqs_cis): a zero here divides by zero into NaN logits
+        for key in ("rope_theta", "compress_rope_theta", "rope_factor", "original_seq_len", "beta_slow", "route_scale",
+                    "hc_eps"):
+            need(getattr(self, key) > 0, key, "must be > 0")
+        need(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow} (YaRN's correction range)")
+        need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0: no clamp)")
         b = self.fp8_block_size
         for key in ("dim", "q_lora_rank", "moe_inter_dim", "head_dim", "index_head_dim"):
             need(getattr(self, key) % b == 0, key, f"must be a multiple of the FP8/FP4 block size {b}")

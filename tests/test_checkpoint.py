@@ -535,6 +535,29 @@ def test_vocab_size_bound(micro_cfg):
         ModelConfig.from_dict({**raw, "vocab_size": 2**31 + 1})
 
 
+@pytest.mark.parametrize("key,value,msg", [
+    ("rope_factor", 0, "must be > 0"), ("rope_theta", -1.0, "must be > 0"), ("compress_rope_theta", 0, "must be > 0"),
+    ("original_seq_len", 0, "must be > 0"), ("beta_slow", 0, "must be > 0"), ("route_scale", 0.0, "must be > 0"),
+    ("hc_eps", 0.0, "must be > 0"), ("beta_fast", 1, r"must be > beta_slow=1"), ("swiglu_limit", -1.0, "must be >= 0")])
+def test_rope_and_scale_values_that_would_give_nan_are_refused(micro_cfg, key, value, msg):
+    """A zero RoPE / YaRN value divides by zero into NaN logits without any error (a fresh-clone
+    trial found rope_factor 0 accepted): each is refused by name."""
+    from dsneuron.graphs.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=rf"model.{key}: {msg}"):
+        ModelConfig.from_dict({**micro_cfg.to_dict(), key: value})
+
+
+def test_repeated_bucket_sizes_are_refused():
+    from dsneuron.compiler.config import CompileConfig
+    from dsneuron.graphs.config import ConfigError
+
+    raw = {"max_seq_len": 64, "batch_sizes": [1], "prefill_seq_lens": [16, 32], "decode_context_lens": [64]}
+    for key, vals in (("batch_sizes", [1, 1]), ("prefill_seq_lens", [16, 16]), ("decode_context_lens", [64, 64])):
+        with pytest.raises(ConfigError, match=rf"compile.{key}: entries must be distinct"):
+            CompileConfig.from_dict({**raw, key: vals})
+
+
 # ------------------------------------------------------------------------------- atomic write
 def test_existing_out_is_an_error_and_untouched(micro_cfg, tmp_path):
     out = tmp_path / "exists"

@@ -67,6 +67,22 @@ def test_plans_the_cpu_target_does_not_shard_are_refused(micro_cfg):
         check_shardable(micro_cfg, Parallel(2, 1))
     with pytest.raises(UserError, match=r"--tp 4: must divide model.o_groups=2"):
         check_shardable(micro_cfg, Parallel(4, 4))
+    # what plan.check_parallel refuses (a fresh-clone trial found these reaching a ZeroDivisionError
+    # and a misleading message)
+    with pytest.raises(UserError, match=r"--tp 0: must be a positive integer"):
+        check_shardable(micro_cfg, Parallel(0, 0))
+    with pytest.raises(UserError, match=r"--ep 4: must divide --tp 2"):
+        check_shardable(micro_cfg, Parallel(2, 4))
+
+
+def test_bad_run_arguments_are_refused_before_any_rank_starts(micro_cfg, micro_checkpoint, tmp_path):
+    ids = list(range(100, 110))
+    for bad, match in (((ids, 0), "n_prompt must be in 1..10"), ((list(range(100, 200)), 5), "exceed the context"),
+                       (([micro_cfg.vocab_size] + ids, 5), "token ids must be in 0..")):
+        with pytest.raises(ValueError, match=match):
+            run_sharded(micro_cfg, micro_checkpoint, 64, Parallel(2, 2), *bad)
+    with pytest.raises(UserError, match="is not a folder"):
+        run_sharded(micro_cfg, tmp_path / "missing", 64, Parallel(2, 2), ids, 5)
 
 
 def test_a_row_parallel_sum_continued_from_the_previous_ranks_is_one_processes(micro_golden):
