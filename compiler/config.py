@@ -67,10 +67,6 @@ class CompileConfig:
             vals = getattr(cfg, key)
             if vals and (min(vals) <= 0 or max(vals) > cfg.max_seq_len):
                 raise ConfigError(f"{where}.{key}: entries must be in 1..max_seq_len={cfg.max_seq_len} (got {list(vals)})")
-        for key in ("batch_sizes", "prefill_seq_lens", "decode_context_lens"):
-            vals = getattr(cfg, key) or ()
-            if len(set(vals)) != len(vals):
-                raise ConfigError(f"{where}.{key}: entries must be distinct, one bucket each (got {list(vals)})")
         return cfg
 
     def to_dict(self) -> dict[str, Any]:

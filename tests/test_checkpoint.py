@@ -548,16 +548,6 @@ def test_rope_and_scale_values_that_would_give_nan_are_refused(micro_cfg, key, v
         ModelConfig.from_dict({**micro_cfg.to_dict(), key: value})
 
 
-def test_repeated_bucket_sizes_are_refused():
-    from dsneuron.compiler.config import CompileConfig
-    from dsneuron.graphs.config import ConfigError
-
-    raw = {"max_seq_len": 64, "batch_sizes": [1], "prefill_seq_lens": [16, 32], "decode_context_lens": [64]}
-    for key, vals in (("batch_sizes", [1, 1]), ("prefill_seq_lens", [16, 16]), ("decode_context_lens", [64, 64])):
-        with pytest.raises(ConfigError, match=rf"compile.{key}: entries must be distinct"):
-            CompileConfig.from_dict({**raw, key: vals})
-
-
 # ------------------------------------------------------------------------------- atomic write
 def test_existing_out_is_an_error_and_untouched(micro_cfg, tmp_path):
     out = tmp_path / "exists"
