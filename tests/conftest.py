@@ -67,3 +67,18 @@ def micro_bundle(tmp_path_factory: pytest.TempPathFactory, micro_checkpoint: Pat
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache", probes=True)
     out = compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache")
     return MicroBundle(out, model_cfg, compile_cfg, root / "cache")
+
+
+@pytest.fixture(scope="session")
+def portable_ops():
+    """The cpu kernels' portable C++ layer, built beside the host's AVX2 one under the namespace
+    dsneuron_generic (a cold build takes ~25 s once per machine, then it is cached); skipped on a
+    host that runs the portable build already."""
+    import torch
+
+    from dsneuron.kernels_nki import cpu_gemm
+
+    if cpu_gemm.VARIANT != "avx2":
+        pytest.skip("the host runs the portable build already")
+    cpu_gemm.build("generic", "dsneuron_generic")
+    return torch.ops.dsneuron_generic

@@ -318,16 +318,6 @@ def test_empty_slots_never_read_kv(n):
     assert_bf16_bits(out, A.sparse_attn_cpu_ref(q, kv, sink, idx, sc))
 
 
-@pytest.fixture(scope="module")
-def portable_ops():
-    """The portable C++ layer, built beside the host's AVX2 one under the namespace dsneuron_generic
-    (the same build test_cpu_gemm uses; cached after the first one, ~25 s cold)."""
-    if G.VARIANT != "avx2":
-        pytest.skip("the host runs the portable build already")
-    G.build("generic", "dsneuron_generic")
-    return torch.ops.dsneuron_generic
-
-
 def test_isa_layers_agree(portable_ops):
     gen = torch.Generator().manual_seed(10)
     for shape in [(1, 1, 64, 512, 2000, 640), (2, 7, 4, 64, 40, 130), (1, 3, 17, 19, 30, 65)]:

@@ -192,16 +192,6 @@ def test_segments_equal_per_expert_calls(fmt, offsets, n):
         assert_bits(out[rows], run(fmt, a[rows], weight[x], None if scale is None else scale[x]))
 
 
-@pytest.fixture(scope="session")
-def portable_ops():
-    """The portable C++ layer, built beside the host's AVX2 one under the namespace dsneuron_generic
-    (a cold build takes ~25 s once per machine, then it is cached)."""
-    if G.VARIANT != "avx2":
-        pytest.skip("the host runs the portable build already")
-    G.build("generic", "dsneuron_generic")
-    return torch.ops.dsneuron_generic
-
-
 @pytest.mark.parametrize("fmt", G.FORMATS)
 def test_isa_layers_agree(portable_ops, fmt):
     gen = torch.Generator().manual_seed(6)

@@ -119,15 +119,6 @@ def test_any_bytes_decode_as_the_reference_and_the_portable_build(name, portable
                        _bits(got.view(3, 100, K)[:, ::2]))
 
 
-@pytest.fixture(scope="module")
-def portable_ops():
-    """The portable C++ layer beside the host's AVX2 one (tests/test_cpu_gemm.py portable_ops)."""
-    if cpu_gemm.VARIANT != "avx2":
-        pytest.skip("the host runs the portable build already")
-    cpu_gemm.build("generic", "dsneuron_generic")
-    return torch.ops.dsneuron_generic
-
-
 def test_a_fresh_row_decodes_to_positive_zeros():
     for fmt in FORMATS.values():
         z = torch.zeros(2, fmt.row_bytes(64), dtype=torch.uint8)
