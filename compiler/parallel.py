@@ -53,12 +53,11 @@ from torch import nn
 
 from dsneuron import UserError
 from dsneuron.graphs.config import ModelConfig
-from dsneuron.graphs.golden import Golden
-from dsneuron.graphs.model import Linear, Transformer, gemm_order
-from dsneuron.graphs.steps import decode, prefill
+from dsneuron.graphs.golden import Golden, check_sequence
+from dsneuron.graphs.model import Linear, Transformer
 from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
 
-from .plan import EXPERTS, TP, VOCAB, Instance, Parallel, check_parallel, placement
+from .plan import EXPERTS, TP, VOCAB, Instance, Parallel, vocab_rows, check_parallel, placement
 
 BLOCK = 32
 
@@ -96,10 +95,6 @@ def check_shardable(cfg: ModelConfig, par: Parallel) -> None:
     if cfg.o_groups % par.tp:
         raise UserError(f"--tp {par.tp}: must divide model.o_groups={cfg.o_groups} on the cpu target (a rank's heads "
                         "in whole output groups)")
-
-
-def _rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return t[lo:hi].clone()
 
 
 def _shard_linear(lin: Linear, lo: int, hi: int, dim: int) -> None:
@@ -169,7 +164,7 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         attn = block.attn
         assert placement(cfg, par, f"layers.{L}.attn.wq_b.weight") == TP
         _shard_linear(attn.wq_b, rank * heads * hd, (rank + 1) * heads * hd, 0)
-        attn.attn_sink = nn.Parameter(_rows(attn.attn_sink.data, rank * heads, (rank + 1) * heads), requires_grad=False)
+        attn.attn_sink = nn.Parameter(attn.attn_sink.data[rank * heads:(rank + 1) * heads].clone(), requires_grad=False)
         cols = (rank * groups * cfg.o_lora_rank, (rank + 1) * groups * cfg.o_lora_rank)
         _shard_linear(attn.wo_a, *cols, 0)
         _shard_linear(attn.wo_b, *cols, 1)
@@ -198,7 +193,8 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
             block.engram.wkv_cols = slice(a, b)
     assert placement(cfg, par, "embed.weight") == VOCAB and placement(cfg, par, "head.weight") == VOCAB
     per = -(-cfg.vocab_size // tp)
-    lo, hi = rank * per, min(cfg.vocab_size, (rank + 1) * per)
+    lo = rank * per
+    hi = lo + vocab_rows(cfg, par, rank)
     model.embed = VocabEmbedding(model.embed.weight.data[lo:hi].clone(), per, comm)
     head = model.head
     # pad the last rank's rows so that every rank's logits have V/tp columns for the all-gather
@@ -220,27 +216,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def teacher_forced(golden: Golden, ids: list[int], n_prompt: int, order: str = "ascending") -> list[torch.Tensor]:
-    """Teacher-forced logits fp32 [V] per step of golden's model (sharded or not): order
-    "ascending" is Golden.teacher_forced (the golden's numerics, the routed MoE); "kernel" runs the
-    cpu target's numerics eagerly (its cpu kernels on prepared weights, the MoE's grouped GEMM),
-    what its executables compute. Raises ValueError for another order."""
-    if order == "ascending":
-        return [r.logits for r in golden.teacher_forced(ids, n_prompt)]
-    if order != "kernel":
-        raise ValueError(f"teacher_forced: order must be ascending or kernel, got {order!r}")
-    golden.attach_kernel_weights()
-    t = torch.tensor([ids], dtype=torch.int64)
-    eng = golden.engram_ids(t)
-    with torch.inference_mode(), gemm_order("kernel"):
-        logits, state = prefill(golden.model, t[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], None)
-        out = [logits[0]]
-        for p in range(n_prompt, len(ids)):
-            logits, state = decode(golden.model, t[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, None)
-            out.append(logits[0])
-    return out
-
-
 def _rank_main(rank: int, args: dict[str, Any]) -> None:
     torch.set_num_threads(args["threads"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args['port']}", rank=rank,
@@ -248,8 +223,8 @@ def _rank_main(rank: int, args: dict[str, Any]) -> None:
     try:
         golden = Golden(args["cfg"], Path(args["checkpoint"]), args["max_seq_len"])
         shard_model(golden.model, args["par"], rank, Comm(rank, args["par"].tp))
-        logits = teacher_forced(golden, args["ids"], args["n_prompt"], args["order"])
-        torch.save({"logits": logits, "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
+        records = golden.teacher_forced(args["ids"], args["n_prompt"], cpu_kernels=args["cpu_kernels"])
+        torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
     except Exception as e:  # the parent names it; the rank's traceback goes to its stderr as well
         Path(f"{args['out']}.{rank}.error").write_text(f"{type(e).__name__}: {e}")
         raise
@@ -273,20 +248,17 @@ class ShardedRun:
 
 
 def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Parallel, ids: list[int],
-                n_prompt: int, order: str = "ascending") -> ShardedRun:
+                n_prompt: int, cpu_kernels: bool = False) -> ShardedRun:
     """Teacher-forced logits (prefill of ids[:n_prompt], then one step per decoded id, as
-    `teacher_forced` in `order`) from par.tp processes (torch.multiprocessing spawn, gloo over loopback),
-    each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
+    Golden.teacher_forced with `cpu_kernels`) from par.tp processes (torch.multiprocessing spawn,
+    gloo over loopback), each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
     cpu target cannot shard or a checkpoint that is no folder, ValueError for ids / n_prompt the
     model cannot run, RuntimeError naming each failed rank's error."""
     import torch.multiprocessing as mp
 
     check_shardable(cfg, par)
     # what the ranks would each fail on, refused once here
-    if not 1 <= n_prompt <= len(ids):
-        raise ValueError(f"run_sharded: n_prompt must be in 1..{len(ids)} (the sequence length), got {n_prompt}")
-    if len(ids) > max_seq_len:
-        raise ValueError(f"run_sharded: {len(ids)} tokens exceed the context capacity max_seq_len={max_seq_len}")
+    check_sequence(len(ids), n_prompt, max_seq_len)
     if not all(0 <= int(t) < cfg.vocab_size for t in ids):
         raise ValueError(f"run_sharded: token ids must be in 0..{cfg.vocab_size - 1} (model.vocab_size)")
     if not Path(checkpoint).is_dir():
@@ -294,7 +266,7 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
     threads = max(1, (os.cpu_count() or 1) // par.tp)
     with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
         args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
-                "n_prompt": n_prompt, "order": order, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
+                "n_prompt": n_prompt, "cpu_kernels": cpu_kernels, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, args)) for r in range(par.tp)]
         for p in procs:

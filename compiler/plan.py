@@ -263,7 +263,8 @@ def placement(cfg: ModelConfig, par: Parallel, name: str) -> str:
     return REPLICATED
 
 
-def _vocab_rows(cfg: ModelConfig, par: Parallel, rank: int) -> int:
+def vocab_rows(cfg: ModelConfig, par: Parallel, rank: int) -> int:
+    """How many vocabulary rows (embed / head) rank `rank` holds: ceil(V / tp) each, the rest on the last."""
     per = -(-cfg.vocab_size // par.tp)
     return max(0, min(per, cfg.vocab_size - rank * per))
 
@@ -298,7 +299,7 @@ def weight_bytes(cfg: ModelConfig, par: Parallel, spec: dict) -> list[dict[str, 
         elif where == VOCAB:
             row = n // s.shape[0]
             for i, r in enumerate(ranks):
-                r[VOCAB] += row * _vocab_rows(cfg, par, i)
+                r[VOCAB] += row * vocab_rows(cfg, par, i)
         else:
             for i in _expert_owner(cfg, par, name):
                 ranks[i][EXPERTS] += n // par.moe_tp
@@ -538,7 +539,7 @@ def flops_per_rank(cfg: ModelConfig, par: Parallel, by_where: dict[str, float]) 
     per_rank = []
     for r in range(par.world):
         share = {REPLICATED: 1.0, TP: 1 / par.tp, EXPERTS: 1 / par.world,
-                 VOCAB: _vocab_rows(cfg, par, r) / cfg.vocab_size, HOST: 0.0, UNUSED: 0.0}
+                 VOCAB: vocab_rows(cfg, par, r) / cfg.vocab_size, HOST: 0.0, UNUSED: 0.0}
         per_rank.append(sum(n * share[w] for w, n in by_where.items()))
     return per_rank
 
@@ -622,7 +623,7 @@ def decode_read(cfg: ModelConfig, par: Parallel, spec: dict) -> dict[str, Any]:
         else:
             row = n // s.shape[0]
             for i in range(par.world):
-                ranks[i] += row * _vocab_rows(cfg, par, i)
+                ranks[i] += row * vocab_rows(cfg, par, i)
     # the slowest rank reads ceil(k / EP) expert slices per layer (balanced routing)
     one_expert = {}
     for name, s in spec.items():

@@ -7,6 +7,7 @@ This is what compiled bundles are compared against. It follows the official V4.1
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dsneuron.runtime_min.engram_hash import NgramHasher
 from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
-from .model import Capture, Transformer
+from .model import Capture, Transformer, gemm_order
 from .steps import decode, prefill
 from .weights import build_model, model_weights
 
@@ -74,27 +75,41 @@ class Golden:
         return self.hasher.hash_sequence(tokens)
 
     @torch.inference_mode()
-    def teacher_forced(self, tokens: list[int], n_prompt: int, capture: bool = False) -> list[StepRecord]:
+    def teacher_forced(self, tokens: list[int], n_prompt: int, capture: bool = False,
+                       cpu_kernels: bool = False) -> list[StepRecord]:
         """Prefill tokens[:n_prompt], then decode tokens[n_prompt:] one at a time (teacher forcing).
 
         Returns len(tokens) - n_prompt + 1 records: the prefill's logits (next-token prediction
-        after the prompt) and one per decoded token. Raises ValueError when the sequence exceeds
-        max_seq_len or n_prompt < 1.
+        after the prompt) and one per decoded token. cpu_kernels: run the cpu target's numerics
+        instead of the golden's (GEMM order "kernel" on the prepared weights, the MoE's grouped
+        GEMM: what its executables compute). Raises ValueError as `check_sequence`.
         """
-        if not 1 <= n_prompt <= len(tokens):
-            raise ValueError(f"n_prompt must be in 1..{len(tokens)}, got {n_prompt}")
-        if len(tokens) > self.max_seq_len:
-            raise ValueError(f"{len(tokens)} tokens exceed the context capacity max_seq_len={self.max_seq_len}")
+        check_sequence(len(tokens), n_prompt, self.max_seq_len)
+        if cpu_kernels:
+            self.attach_kernel_weights()
+        routed = not cpu_kernels
         ids = torch.tensor([tokens], dtype=torch.int64)
         eng = self.engram_ids(ids)
-        cap = Capture() if capture else None
-        logits, state = prefill(self.model, ids[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], cap, routed=True)
-        out = [StepRecord(logits[0], cap.tensors if cap else None)]
-        for p in range(n_prompt, len(tokens)):
+        with gemm_order("kernel") if cpu_kernels else contextlib.nullcontext():
             cap = Capture() if capture else None
-            logits, state = decode(self.model, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, cap, routed=True)
-            out.append(StepRecord(logits[0], cap.tensors if cap else None))
+            logits, state = prefill(self.model, ids[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], cap,
+                                    routed=routed)
+            out = [StepRecord(logits[0], cap.tensors if cap else None)]
+            for p in range(n_prompt, len(tokens)):
+                cap = Capture() if capture else None
+                logits, state = decode(self.model, ids[:, p:p + 1], torch.tensor([p]), eng[:, p:p + 1], state, cap,
+                                       routed=routed)
+                out.append(StepRecord(logits[0], cap.tensors if cap else None))
         return out
+
+
+def check_sequence(length: int, n_prompt: int, max_seq_len: int) -> None:
+    """Raise ValueError unless a teacher-forced sequence of `length` tokens with an n_prompt-token
+    prompt fits: 1 <= n_prompt <= length <= max_seq_len."""
+    if not 1 <= n_prompt <= length:
+        raise ValueError(f"n_prompt must be in 1..{length}, got {n_prompt}")
+    if length > max_seq_len:
+        raise ValueError(f"{length} tokens exceed the context capacity max_seq_len={max_seq_len}")
 
 
 @torch.inference_mode()

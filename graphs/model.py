@@ -77,6 +77,11 @@ from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat
                     fp4_operand_bytes, fp8_activation, fp8_linear, linear_fp32, quantize_state, window_format)
 
 
+#: a sharded sum's hook (compiler/parallel.py Comm.chain): chain(add, zero) runs add on the previous
+#: ranks' fp32 sum (zero on rank 0) and returns the last rank's
+Chain = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
 # ----------------------------------------------------------------------------------------- options
 class _Numerics:
     """Process-wide numeric switch read while a step runs or is traced (plain Python, never a graph input).
@@ -302,7 +307,7 @@ class Linear(nn.Module):
     cached: torch.Tensor | None = None
     #: a row-parallel shard (compiler/parallel.py Comm.chain): its ranks add their K blocks' partials
     #: in rank order onto one fp32 accumulator, the adds one process makes; None in one process
-    chain: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+    chain: Chain | None = None
     #: a column-parallel shard whose outputs every rank needs (the vocabulary-parallel head): the
     #: ranks' outputs put side by side (compiler/parallel.py); None in one process
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -939,7 +944,7 @@ class MoE(nn.Module):
         #: (ascending ids across the ranks, as one process adds them): an expert-parallel shard's
         #: (compiler/parallel.py Comm.chain), else all and None
         self.owned: range = range(n_exp)
-        self.chain: Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+        self.chain: Chain | None = None
 
     def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
         """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True loops over the experts, each on its tokens
@@ -1061,9 +1066,9 @@ class Engram(nn.Module):
         self.embed.scale = nn.Parameter(torch.empty(num_embeddings, cfg.engram_head_dim // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
         self.wkv = Linear(n_cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), "fp8")
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
         #: a row-parallel shard's input columns of wkv (compiler/parallel.py); None: all
         self.wkv_cols: slice | None = None
-        self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16), requires_grad=False)
 
     def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """hash_ids int64 [B,S,C] -> bf16 [B,S,C*engram_head_dim] (ParallelEngramEmbedding.forward)."""

@@ -491,8 +491,8 @@ def _chunk_rows(bytes_per_row: int) -> int:
 def _sum_blocks(partials: torch.Tensor, order: str) -> torch.Tensor:
     """fp32 partials [KB, ...] -> fp32 [...]: 0 + p_0 + p_1 + ... (ascending) or from the last
     block down (descending), one rounding per add; an explicit loop pins the order."""
-    zero = partials.new_zeros(partials.shape[1:])
-    return add_blocks(zero, partials.flip(0) if order == "descending" else partials)
+    blocks = partials.unbind(0)  # views: no copy of the partials for either order
+    return add_blocks(partials.new_zeros(partials.shape[1:]), blocks[::-1] if order == "descending" else blocks)
 
 
 def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -585,11 +585,11 @@ def block_partials(a: torch.Tensor, w: torch.Tensor, block: int = 32) -> torch.T
     return parts.reshape(parts.shape[0], *lead, w.shape[0])
 
 
-def add_blocks(acc: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-    """acc fp32 [...] + partials[0] + partials[1] + ... (partials [KB, ...]), one rounding per add in
-    this order: `_sum_blocks` "ascending" continued from acc instead of 0."""
-    for i in range(partials.shape[0]):
-        acc = acc + partials[i]
+def add_blocks(acc: torch.Tensor, partials) -> torch.Tensor:
+    """acc fp32 [...] + partials[0] + partials[1] + ... (partials [KB, ...] or a sequence of [...]),
+    one rounding per add in this order: `_sum_blocks` "ascending" continued from acc instead of 0."""
+    for p in partials:
+        acc = acc + p
     return acc
 
 

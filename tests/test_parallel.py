@@ -47,13 +47,17 @@ def test_a_shard_holds_what_the_plans_placement_says(micro_cfg, micro_checkpoint
         assert sum(after.values()) < 0.6 * sum(before.values())
 
 
-def test_two_ranks_give_one_process_tokens(micro_cfg, micro_checkpoint, micro_golden):
+@pytest.mark.parametrize("cpu_kernels", [False, True])
+def test_two_ranks_give_one_process_tokens(micro_cfg, micro_checkpoint, micro_golden, cpu_kernels):
     """TP=2 with EP=2 over gloo: the prefill's and every decode step's logits are the single
-    process's bit for bit (the ranks chain their partial sums in one process's order)."""
+    process's bit for bit (the ranks chain their partial sums in one process's order), in the
+    golden's numerics and in the cpu target's (its kernels, the EP-sharded grouped-GEMM MoE)."""
     max_len = load_config("micro")[1].max_seq_len
     ids = [(37 * i + 11) % 5000 + 100 for i in range(24)]
-    one = [r.logits for r in micro_golden.teacher_forced(ids, 16)]
-    run = run_sharded(micro_cfg, micro_checkpoint, max_len, Parallel(2, 2), ids, 16)
+    # the kernel run attaches prepared weights: on a model of its own, not the shared fixture's
+    golden = Golden(micro_cfg, micro_checkpoint, max_len) if cpu_kernels else micro_golden
+    one = [r.logits for r in golden.teacher_forced(ids, 16, cpu_kernels=cpu_kernels)]
+    run = run_sharded(micro_cfg, micro_checkpoint, max_len, Parallel(2, 2), ids, 16, cpu_kernels=cpu_kernels)
     assert len(run.logits) == len(one) == 9
     for a, b in zip(one, run.logits):
         assert torch.equal(a, b), (a - b).abs().max().item()
