@@ -43,6 +43,7 @@ import functools
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -223,8 +224,22 @@ def _rank_main(rank: int, args: dict[str, Any]) -> None:
     try:
         golden = Golden(args["cfg"], Path(args["checkpoint"]), args["max_seq_len"])
         shard_model(golden.model, args["par"], rank, Comm(rank, args["par"].tp))
-        records = golden.teacher_forced(args["ids"], args["n_prompt"], cpu_kernels=args["cpu_kernels"])
-        torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model)}, f"{args['out']}.{rank}")
+        ids, n_prompt, n_decode = args["ids"], args["n_prompt"], len(args["ids"]) - args["n_prompt"]
+        timing = None
+        if args["timed"] and n_decode:
+            # warm (the kernel weights are prepared at the first run), then the full run and the
+            # prefill alone: the full run's excess is the decode's
+            golden.teacher_forced(ids[:n_prompt], n_prompt, cpu_kernels=args["cpu_kernels"])
+            marks = [(time.perf_counter(), collectives.collective_seconds())]
+        records = golden.teacher_forced(ids, n_prompt, cpu_kernels=args["cpu_kernels"])
+        if args["timed"] and n_decode:
+            marks.append((time.perf_counter(), collectives.collective_seconds()))
+            golden.teacher_forced(ids[:n_prompt], n_prompt, cpu_kernels=args["cpu_kernels"])
+            marks.append((time.perf_counter(), collectives.collective_seconds()))
+            (t0, c0), (t1, c1), (t2, c2) = marks
+            timing = (((t1 - t0) - (t2 - t1)) / n_decode, ((c1 - c0) - (c2 - c1)) / n_decode)
+        torch.save({"logits": [r.logits for r in records], "held": held_bytes(golden.model), "timing": timing},
+                   f"{args['out']}.{rank}")
     except Exception as e:  # the parent names it; the rank's traceback goes to its stderr as well
         Path(f"{args['out']}.{rank}.error").write_text(f"{type(e).__name__}: {e}")
         raise
@@ -241,19 +256,24 @@ def held_bytes(model: nn.Module) -> int:
 @dataclass
 class ShardedRun:
     """What `run_sharded` returns: rank 0's teacher-forced logits fp32 [V] per step (every rank
-    has the same) and each rank's `held_bytes`."""
+    has the same) and each rank's `held_bytes`. With timed=True, rank 0's seconds per decoded token
+    (`decode_s`) and, of them, the seconds inside the collectives (`collective_s`, waits included:
+    runtime_min/collectives.py collective_seconds); else None."""
 
     logits: list[torch.Tensor]
     held: list[int]
+    decode_s: float | None = None
+    collective_s: float | None = None
 
 
 def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Parallel, ids: list[int],
-                n_prompt: int, cpu_kernels: bool = False) -> ShardedRun:
+                n_prompt: int, cpu_kernels: bool = False, timed: bool = False) -> ShardedRun:
     """Teacher-forced logits (prefill of ids[:n_prompt], then one step per decoded id, as
     Golden.teacher_forced with `cpu_kernels`) from par.tp processes (torch.multiprocessing spawn,
     gloo over loopback), each holding its shard and os.cpu_count() / tp threads. Raises UserError for a parallel plan the
     cpu target cannot shard or a checkpoint that is no folder, ValueError for ids / n_prompt the
-    model cannot run, RuntimeError naming each failed rank's error."""
+    model cannot run, RuntimeError naming each failed rank's error. timed: each rank also runs the
+    prefill alone twice (a warm-up, then timed after the full run), and the decode's seconds per token are reported (ShardedRun)."""
     import torch.multiprocessing as mp
 
     check_shardable(cfg, par)
@@ -266,7 +286,7 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
     threads = max(1, (os.cpu_count() or 1) // par.tp)
     with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
         args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
-                "n_prompt": n_prompt, "cpu_kernels": cpu_kernels, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
+                "n_prompt": n_prompt, "cpu_kernels": cpu_kernels, "timed": timed, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, args)) for r in range(par.tp)]
         for p in procs:
@@ -279,4 +299,5 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
             said = "; ".join(f"rank {r}: {w.read_text()}" for r, w in zip(bad, why) if w.exists())
             raise RuntimeError(f"sharded run: rank(s) {bad} failed: {said or 'exit codes ' + str([procs[r].exitcode for r in bad])}")
         ranks = [torch.load(f"{args['out']}.{r}") for r in range(par.tp)]
-        return ShardedRun(ranks[0]["logits"], [r["held"] for r in ranks])
+        timing = ranks[0]["timing"] or (None, None)
+        return ShardedRun(ranks[0]["logits"], [r["held"] for r in ranks], *timing)

@@ -19,8 +19,27 @@ it does for any op a loaded module registers (runtime_min/executor_cpu.py import
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+_SPENT = [0.0]  # seconds this process has spent inside the collectives' torch.distributed calls
+
+
+def collective_seconds() -> float:
+    """Wall seconds this process has spent in the collectives' torch.distributed calls so far: the
+    transfers plus the wait for the ranks before it in a chain (what sharding costs a step, beside
+    the compute it divides). compiler/bench_parallel.py reads it per decode token."""
+    return _SPENT[0]
+
+
+class _timed:
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        _SPENT[0] += time.perf_counter() - self.t0
 
 
 def _world() -> tuple[int, int]:
@@ -40,7 +59,8 @@ def _chain_recv(zero: torch.Tensor, tag: int) -> torch.Tensor:
     if rank == 0:
         return zero.clone()
     acc = torch.empty_like(zero, memory_format=torch.contiguous_format)
-    dist.recv(acc, rank - 1)
+    with _timed():
+        dist.recv(acc, rank - 1)
     return acc
 
 
@@ -50,9 +70,10 @@ def _chain_pass(acc: torch.Tensor, tag: int) -> torch.Tensor:
     out = acc.contiguous().clone()
     if world == 1:
         return out
-    if rank < world - 1:
-        dist.send(out, rank + 1)
-    dist.broadcast(out, world - 1)
+    with _timed():
+        if rank < world - 1:
+            dist.send(out, rank + 1)
+        dist.broadcast(out, world - 1)
     return out
 
 
@@ -63,7 +84,8 @@ def _gather_ranks(x: torch.Tensor, world: int) -> torch.Tensor:
     if world == 1:
         return x.unsqueeze(0).clone()
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
+    with _timed():
+        dist.all_gather(parts, x.contiguous())
     return torch.stack(parts)
 
 

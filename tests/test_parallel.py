@@ -57,8 +57,14 @@ def test_two_ranks_give_one_process_tokens(micro_cfg, micro_checkpoint, micro_go
     # the kernel run attaches prepared weights: on a model of its own, not the shared fixture's
     golden = Golden(micro_cfg, micro_checkpoint, max_len) if cpu_kernels else micro_golden
     one = [r.logits for r in golden.teacher_forced(ids, 16, cpu_kernels=cpu_kernels)]
-    run = run_sharded(micro_cfg, micro_checkpoint, max_len, Parallel(2, 2), ids, 16, cpu_kernels=cpu_kernels)
+    run = run_sharded(micro_cfg, micro_checkpoint, max_len, Parallel(2, 2), ids, 16, cpu_kernels=cpu_kernels,
+                      timed=cpu_kernels)
     assert len(run.logits) == len(one) == 9
+    # timed: a warm prefill is subtracted from the full run (an unwarmed one made this negative)
+    if cpu_kernels:
+        assert run.decode_s > 0 and run.collective_s is not None, (run.decode_s, run.collective_s)
+    else:
+        assert run.decode_s is None and run.collective_s is None
     for a, b in zip(one, run.logits):
         assert torch.equal(a, b), (a - b).abs().max().item()
     # each process ran on its shard: under 60% of the model (attention, experts and vocabulary halved)
