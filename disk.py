@@ -9,6 +9,7 @@ on any error, so a full disk leaves nothing half-written at the destination.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,3 +66,16 @@ def disk_full_is_an_error(path: Path, need: int, what: str) -> Iterator[None]:
             raise
         raise DiskFullError(f"disk full while writing {what} to {Path(path).absolute()}: it needs {_mib(need)}, "
                             f"{_mib(free_bytes(path))} free now; free some space or choose another folder") from None
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Raise UserError unless the file `path` (given as `flag`, e.g. "--json") can be written: its
+    folder exists and is writable, and it is no folder itself. Called before the work whose figures
+    it will hold, so that minutes of work are not lost to a typo."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: its folder {path.parent} does not exist")
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; give a file path")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise UserError(f"{flag} {path}: no permission to write it")

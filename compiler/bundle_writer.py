@@ -8,7 +8,8 @@
   and the rules above are checked before any work.
 - A folder that holds only placeholder files (`README.md`, `.gitignore`, `.gitkeep`; the repository
   tracks `artifacts/README.md`) counts as empty; those files are carried into the new bundle, unlisted.
-  A non-empty folder that is not a bundle (no manifest.json) is never replaced, even with `force`.
+  A non-empty folder that is not a bundle (no manifest.json, nor the parallel.json of a sharded
+  bundle) is never replaced, even with `force`.
 - An exception, KeyboardInterrupt or SystemExit (the CLI turns SIGTERM into one) before `commit`
   removes the temporary folder; temporary folders of
   processes that died (SIGKILL) are removed by the next writer of the same output.
@@ -35,7 +36,7 @@ from dsneuron import UserError
 from dsneuron.disk import check_free, disk_full_is_an_error
 from dsneuron.graphs import safetensors_format as sf
 from dsneuron.graphs.lazy import CHUNK_BYTES, tensor_chunks
-from dsneuron.runtime_min.schema import MANIFEST, WEIGHTS, Manifest
+from dsneuron.runtime_min.schema import MANIFEST, PARALLEL, WEIGHT_SHARD_BYTES, WEIGHTS, Manifest, weight_shard_names
 
 from .cache import file_sha256, pid_alive
 
@@ -71,7 +72,7 @@ def check_output(out: Path, force: bool) -> None:
     entries = {p.name for p in out.iterdir()}
     if entries <= PLACEHOLDERS:
         return
-    if MANIFEST not in entries:
+    if MANIFEST not in entries and PARALLEL not in entries:
         raise OutputExistsError(f"output folder {out} exists and is not a dsneuron bundle (no {MANIFEST}); "
                                 "refusing to replace it, even with --force; choose another --out")
     if not force:
@@ -162,6 +163,29 @@ class BundleWriter:
         st = path.stat()
         self._digests[rel] = (digest.hexdigest(), st.st_size, st.st_mtime_ns)
 
+    def write_weight_shards(self, weights: Mapping[str, Any], shard_bytes: int = WEIGHT_SHARD_BYTES) -> tuple[str, ...]:
+        """Write `weights` (as `write_weights`) into weights.safetensors when their bytes fit in
+        `shard_bytes` and return (); else into weights-<i>-of-<n>.safetensors files of at most
+        shard_bytes each (a tensor larger than that alone in its file), tensors in name order, and
+        return those names (Manifest.weight_files)."""
+        groups: list[dict[str, Any]] = [{}]
+        held = 0
+        for name in sorted(weights):
+            w = weights[name]
+            size = math.prod(w.shape) * w.dtype.itemsize
+            if groups[-1] and held + size > shard_bytes:
+                groups.append({})
+                held = 0
+            groups[-1][name] = w
+            held += size
+        if len(groups) == 1:
+            self.write_weights(weights)
+            return ()
+        names = weight_shard_names(len(groups))
+        for rel, group in zip(names, groups):
+            self.write_weights(group, rel)
+        return tuple(names)
+
     def commit(self, manifest: Manifest, sign: Callable[[Path], Any] | None = None) -> Path:
         """Checksum every file, write manifest.json, call sign(folder) when given (the signature
         is made before the bundle appears at `out`), then move the bundle into place. Returns `out`."""
@@ -181,6 +205,18 @@ class BundleWriter:
             (self.tmp / MANIFEST).write_text(text)
         if sign is not None:
             sign(self.tmp)
+        return self._move_into_place()
+
+    def commit_top(self, name: str, text: str) -> Path:
+        """Write `text` as the folder's top file `name` and move the folder into place: the commit
+        of a sharded bundle (compiler/sharded_bundle.py), whose rank bundles inside it were each
+        committed with their own manifest. Returns `out`."""
+        assert self.tmp is not None
+        with disk_full_is_an_error(self.tmp / name, len(text), name):
+            (self.tmp / name).write_text(text)
+        return self._move_into_place()
+
+    def _move_into_place(self) -> Path:
         check_output(self.out, self.force)  # the folder may have appeared while we compiled
         old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         keep = [p for p in self.out.iterdir() if p.name in PLACEHOLDERS] if self.out.is_dir() else []

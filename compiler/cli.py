@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -25,6 +26,7 @@ import typer
 from rich.console import Console
 
 from dsneuron import UserError
+from dsneuron.disk import check_output_file
 
 #: the metavar of an on/off flag: none, where typer's help would print "<bool>" after a flag that takes no value
 FLAG = ""
@@ -140,6 +142,10 @@ def compile_cmd(
     indexer: Optional[str] = typer.Option(None, "--indexer", help="indexer scores: official (the reference's bf16 "
                                           "expression) or kernel (the FP4 MQA-logits op, the NKI kernel on neuron) "
                                           "[default: the config's, official]"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (the world size): 2 or more writes a sharded bundle, "
+                                           "one rank bundle per process of `dsneuron run` (cpu target only)"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="with --tp: expert-parallel groups of the MoE [default: tp, "
+                                                        "each rank its own experts]"),
 ) -> None:
     """Compile every bucket of a config (or of a checkpoint folder) into a self-contained bundle."""
     from dsneuron.compiler import compile as pipeline
@@ -148,6 +154,7 @@ def compile_cmd(
     from dsneuron.compiler.config import check_indexer, checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
+    par = _parallel_flags(tp, ep, target, probes, hlo_only)
     if hlo_only:  # fail fast, before reading anything
         from dsneuron.compiler.backend_hlo import check_hlo_only
 
@@ -178,9 +185,40 @@ def compile_cmd(
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
+    if par is not None:
+        from dsneuron.compiler.parallel import check_shardable
+        from dsneuron.compiler.sharded_bundle import compile_sharded_bundle
+
+        check_shardable(model_cfg, par)
+        compile_sharded_bundle(model_cfg, compile_cfg, out, par, cache_dir=cache_dir, force=force, console=console,
+                               sign_key=sign_key)
+        return
     parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes, target=target)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
                             console=console, sign_key=sign_key, hlo_only=hlo_only)
+
+
+def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, hlo_only: bool):
+    """The Parallel plan of compile's --tp/--ep, None for one process; UserError for flags that do not
+    go together (the model's limits are checked once it is known: parallel.py check_shardable)."""
+    from dsneuron.compiler.plan import Parallel
+
+    if tp < 1:
+        raise UserError(f"--tp must be a positive integer (the ranks of a sharded bundle), got {tp}")
+    if tp == 1:
+        if ep not in (None, 1):
+            raise UserError(f"--ep {ep} needs --tp: expert-parallel groups live inside the tp ranks")
+        return None
+    if target != "cpu" or hlo_only:
+        raise UserError(f"--tp {tp}: sharded bundles are made for the cpu target only (the neuron target's NxD "
+                        "parallel layers are not written yet)")
+    if probes:
+        raise UserError(f"--tp {tp} with --probes: a sharded bundle has no probe outputs; `dsneuron compare` a "
+                        "one-process bundle")
+    ep = tp if ep is None else ep
+    if ep < 1:
+        raise UserError(f"--ep must be a positive integer dividing --tp {tp}, got {ep}")
+    return Parallel(tp, ep)
 
 
 @app.command("run")
@@ -203,6 +241,7 @@ def run_cmd(
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.sampling import check_params, check_seed
     from dsneuron.runtime_min.session import Session
+    from dsneuron.runtime_min.sharded import launch, read_sharded
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
@@ -212,20 +251,40 @@ def run_cmd(
     check_params(temperature, top_p)
     check_seed(seed)
     prompts = read_prompts_file(prompts_file) if prompts_file is not None else None
-    session = Session.load(bundle, verify_key)
-    if prompts is None:
-        def emit(_row: int, piece: str) -> None:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    job = {"prompt": prompt, "prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+           "top_p": top_p, "seed": seed, "stats": stats}
+    sharded = read_sharded(bundle)
+    if sharded is None:
+        generate(Session.load(bundle, verify_key), _print, **job)
+        return
+    if seed is None and temperature > 0:  # every rank draws with rank 0's seed (runtime_min/sharded.py)
+        job["seed"] = secrets.randbits(64)
+    launch(bundle, sharded, generate, job, _print, verify_key)
 
-        session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stream=emit)
-        sys.stdout.write("\n")
+
+def _print(stream: str, text: str) -> None:
+    if stream == "stdout":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        err_console.print(text, highlight=False, soft_wrap=True)
+
+
+def generate(session, out, prompt: str | None, prompts: list[str] | None, max_new_tokens: int, temperature: float,
+             top_p: float, seed: int | None, stats: bool) -> None:
+    """What `dsneuron run` does with a loaded runtime_min Session: stream the completion of `prompt`,
+    or one JSON line per prompt of `prompts` (one batch), to out("stdout", text); with stats, the
+    timings to out("stderr", text). Run by every rank of a sharded bundle (runtime_min/sharded.py)."""
+    if prompts is None:
+        session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                         stream=lambda _row, piece: out("stdout", piece))
+        out("stdout", "\n")
     else:
         texts = session.generate(prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
         for p, text in zip(prompts, texts):
-            sys.stdout.write(json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) + "\n")
+            out("stdout", json.dumps({"prompt": p, "completion": text}, ensure_ascii=False) + "\n")
     if stats:
-        err_console.print(session.last_stats.summary(), highlight=False, soft_wrap=True)
+        out("stderr", session.last_stats.summary())
 
 
 def read_prompts_file(path: Path) -> list[str]:
@@ -276,10 +335,8 @@ def compare_cmd(
     from dsneuron.compiler.compare import compare_bundle, end_to_end_verdict, render
     from dsneuron.compiler.default_prompts import read_prompts
 
-    if json_out is not None and not json_out.parent.is_dir():
-        raise UserError(f"--json {json_out}: its folder {json_out.parent} does not exist")
-    if json_out is not None and json_out.is_dir():
-        raise UserError(f"--json {json_out}: is a folder; give a file path")
+    if json_out is not None:
+        check_output_file(json_out, "--json")
     chosen = read_prompts(prompts) if prompts is not None else None  # None: the shipped ones that fit
     reports = compare_bundle(bundle, chosen, decode, checkpoint, cache_dir, log=lambda s: err_console.print(s, highlight=False),
                              verify_key=verify_key)
@@ -310,8 +367,8 @@ def plan_cmd(
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.plan import check_fit, make_plan, render
 
-    if json_out is not None and not json_out.parent.is_dir():
-        raise UserError(f"--json {json_out}: its folder {json_out.parent} does not exist")
+    if json_out is not None:
+        check_output_file(json_out, "--json")
     model_cfg, compile_cfg, path = load_config(config)
     plan = make_plan(model_cfg, compile_cfg, target, instance, tp, ep, config_name=config,
                      log=lambda s: err_console.print(s, highlight=False))
@@ -354,6 +411,10 @@ def inspect_cmd(
     console.print(f"toolchain: python {tc.get('python')}, torch {tc.get('torch')}, {tc.get('machine')}, "
                   f"cpu isa {' '.join(tc.get('cpu_isa') or []) or '-'}")
     console.print(f"compiler: {m.compiler.get('backend')} flags {m.compiler.get('flags')}; custom ops {m.compiler.get('custom_ops')}")
+    shard = m.compiler.get("shard")
+    if shard:
+        console.print(f"shard: rank {shard['rank']} of a sharded bundle of tp={shard['tp']}, ep={shard['ep']} "
+                      f"(`dsneuron run {root.parent}` runs every rank)")
     sizes = {rel: meta["size"] for rel, meta in m.files.items()}
 
     def files_of(b) -> list[str]:  # a staged bucket's executables are its stages' files
@@ -379,7 +440,8 @@ def inspect_cmd(
     exe = sum(sizes.get(f, 0) for b in m.buckets for f in files_of(b))
     n_weights = len({n for b in m.buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))})
     prepared = f" ({len(m.prepare)} prepared at load into the cpu kernels' layout)" if m.prepare else ""
-    console.print(f"weights {n_weights} tensors{prepared}, {sizes.get(m.weights_file, 0) / 2**20:.1f} MiB; "
+    console.print(f"weights {n_weights} tensors{prepared}, {sum(sizes.get(f, 0) for f in m.weights_files) / 2**20:.1f} MiB"
+                  f"{f' in {len(m.weight_files)} shards' if m.weight_files else ''}; "
                   f"executables {exe / 2**20:.1f} MiB; total {sum(sizes.values()) / 2**20:.1f} MiB; "
                   f"state tensors {len(m.state)}; engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
     hint = signer_hint(root)

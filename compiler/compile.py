@@ -33,7 +33,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (TOKENIZER_DIR, WEIGHTS, Bucket, BundleError,
+from dsneuron.runtime_min.schema import (SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
+                                         WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
                                          Manifest, Prepare, StateEntry, TensorSpec, Tokenizer, bucket_file,
                                          dtype_name)
 
@@ -174,7 +175,8 @@ def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
                    target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
                    flags: dict[str, Any] | None = None, console: Console | None = None,
-                   sign_key: Path | None = None, hlo_only: bool = False) -> Path:
+                   sign_key: Path | None = None, hlo_only: bool = False, label: str | None = None,
+                   weight_shard_bytes: int = WEIGHT_SHARD_BYTES) -> Path:
     """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
     returns `out`. sign_key: a PEM elliptic-curve private key; the bundle is then signed
     (runtime_min/signing.py) before it appears at `out`.
@@ -185,6 +187,9 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     hlo_only: with target "neuron", stop at each bucket's HLO module (compiler/backend_hlo.py; needs
     torch-xla, not the Neuron SDK); the bundle can be inspected, not run.
     cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
+    label: what the closing line says was done (default "bundle written to <out>").
+    weight_shard_bytes: the weights go into files of at most this many bytes of tensors
+    (runtime_min/schema.py Manifest.weight_files; one weights.safetensors when they fit in one).
     Raises ConfigError (bad plan or flags), BundleError (target or its tools unavailable),
     OutputExistsError (out exists without force), CompileError (model wiring, a kernel that cannot
     take its op's shapes), and lets KeyboardInterrupt through after removing the partial bundle;
@@ -301,14 +306,16 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         recipes = tuple(r for r in parts.prepare if set(r.outputs) & used)
         made = {n for r in recipes for n in r.outputs}
         keep = (used - made) | {n for r in recipes for n in (*r.weights, *r.scales)}
-        writer.write_weights({n: t for n, t in stored.items() if n in keep})
+        weight_files = writer.write_weight_shards({n: t for n, t in stored.items() if n in keep}, weight_shard_bytes)
         for p in tok_files:
             writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")
         manifest = Manifest(
             target=target, toolchain=backend.toolchain,
             compiler={**backend.compiler_record(dict(sorted(custom_ops.items())), facts),
                       **({"gemm_order": parts.steps.order} if hasattr(parts.steps, "order") else {}),
-                      **({"indexer": parts.steps.indexer} if hasattr(parts.steps, "indexer") else {})},
+                      **({"indexer": parts.steps.indexer} if hasattr(parts.steps, "indexer") else {}),
+                      **({"shard": dict(zip(("tp", "ep", "rank"), parts.steps.shard))}
+                         if getattr(parts.steps, "shard", None) else {})},
             model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
             tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),
                                 bos_token_id=model_cfg.bos_token_id, eos_token_id=model_cfg.eos_token_id,
@@ -316,13 +323,14 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             host_preprocessing=dict(parts.host_params), state=state, buckets=tuple(buckets), files={},
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
-            prepare=recipes)
+            prepare=recipes, weight_files=weight_files,
+            schema_version=WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION)
         from dsneuron.runtime_min.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))
     # a per-token executable is copied into every bucket of its batch size: count it once
     n_exe = len({k for rec in sc.records.values() for k in rec["kinds"].values()}) if sc else len(buckets)
-    console.print(f"bundle written to {path} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
+    console.print(f"{label or f'bundle written to {path}'} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
                   f"the cache at {cache.root})")
     return path
 

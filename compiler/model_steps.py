@@ -4,6 +4,7 @@ parameters the runtime applies on the host."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -29,6 +30,8 @@ from .buckets import plan_buckets
 from .cache import cache_root, source_digest
 from .config import CompileConfig
 from .export import CompileError, StageGraph, StepGraph
+from .parallel import Comm, check_shardable, shard_model
+from .plan import Parallel
 
 
 class GraphsStepFactory:
@@ -37,15 +40,17 @@ class GraphsStepFactory:
     bundle, for `dsneuron compare`; larger executables and outputs, same logits and state)."""
 
     def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused",
-                 indexer: str = "official"):
+                 indexer: str = "official", shard: tuple[int, int, int] | None = None):
         self.cfg, self.models, self.probes, self.order, self.indexer = cfg, models, probes, order, indexer
+        #: (tp, ep, rank) of a sharded compile: the rank's graphs hold its expert ids and vocabulary rows
+        self.shard = shard
 
     def fingerprint(self) -> str:
         """Changes whenever the model code, the kernels or the model config change."""
         # the NKI kernels (*_nki.py) and their stand-in (sim/) never enter a cpu graph
         src = source_digest(Path(dsneuron.graphs.__file__).parent, Path(dsneuron.kernels_nki.__file__).parent,
                             exclude=lambda rel: rel.name.endswith("_nki.py") or len(rel.parts) > 1)
-        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order, self.indexer], sort_keys=True)).encode()).hexdigest()
+        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order, self.indexer, self.shard], sort_keys=True)).encode()).hexdigest()
 
     def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return steps.init_state(self.cfg, batch, capacity)
@@ -126,7 +131,7 @@ def checkpoint_for(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir
 
 
 def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
-                      probes: bool = False, target: str = "cpu"):
+                      probes: bool = False, target: str = "cpu", par: Parallel | None = None, rank: int = 0):
     """ModelParts for `compile_bundle` (probes: see GraphsStepFactory). For the cpu target the
     models run in GEMM order "kernel": every GEMM weight is prepared into the cpu kernels' layout
     (graphs/kernel_weights.py), the executables take the prepared tensors, and the bundle stores
@@ -142,6 +147,11 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     stored tensors; the wo_a dequantisation is made per layer while the weights file is written. The
     neuron models compute (scripts/xla-check runs them eagerly), so there the bf16 -> fp32 casts
     and the wo_a dequantisation are made here, as before.
+
+    par, rank: the parts of rank `rank` of a sharded compile (par.tp > 1, cpu target only): its
+    models are cut by compiler/parallel.py `shard_model` (their graphs call the collectives), its
+    weights are its slices of the checkpoint tensors under their checkpoint names, read and
+    dequantised here (a rank's share, not lazily). Raises UserError for a plan shard_model refuses.
     """
     from .compile import ModelParts
 
@@ -150,18 +160,34 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     mapped = ckpt_io.map_checkpoint(path, model_cfg, rows)
     capacities = plan_buckets(compile_cfg, model_cfg).decode_capacities
     cpu = target == "cpu"
-    derived: dict[str, Computed] | None = {} if cpu else None
+    sharded = par is not None and par.tp > 1
+    if sharded:
+        if not cpu:
+            raise CompileError(f"--tp {par.tp}: a sharded compile is implemented for the cpu target only (the neuron "
+                               "target's NxD layers are not written yet)")
+        check_shardable(model_cfg, par)
+        shard = functools.partial(shard_model, par=par, rank=rank, comm=Comm(rank, par.tp), cache=False)
+    derived: dict[str, Computed] | None = {} if cpu and not sharded else None
     weights = model_weights(mapped.tensors, model_cfg, derived)
-    skeleton = Transformer(model_cfg, rows, max(capacities))  # module structure and parameter dtypes
+    if sharded:
+        # the rank's slices, cut from a model over the mapped tensors, back in their checkpoint dtypes
+        ckpt_dtypes = {n: t.dtype for n, t in weights.items()}
+        skeleton = shard(build_model(model_cfg, weights, rows, max(capacities)))
+        weights = {n: p.detach().to(ckpt_dtypes[n]) for n, p in skeleton.named_parameters()}
+    else:
+        skeleton = Transformer(model_cfg, rows, max(capacities))  # module structure and parameter dtypes
     casts = load_casts(skeleton, weights)
     recipes: list[Prepare] = kernel_recipes(skeleton, weights) if cpu else []
     del skeleton
     consumed = {n for r in recipes for n in (*r.weights, *r.scales)}
     # cast once so every per-capacity model holds the very same tensors (weights stored once); a
-    # weight that only the recipes read is dropped from the models below: a placeholder will do
-    held = {n: ((placeholder(tuple(t.shape), casts[n]) if n in consumed else t.to(casts[n])) if n in casts else t)
+    # weight that only the recipes read is dropped from the models below: a placeholder will do,
+    # as its bytes are stored from the checkpoint's (sources below); a rank's slices are no
+    # checkpoint bytes, so there the cast slice itself is stored
+    held = {n: ((placeholder(tuple(t.shape), casts[n]) if n in consumed and not sharded else t.to(casts[n]))
+                if n in casts else t)
             for n, t in weights.items()}
-    models = {c: build_model(model_cfg, held, rows, c) for c in capacities}
+    models = {c: build_model(model_cfg, held, rows, c, shard if sharded else None) for c in capacities}
     first = models[capacities[0]]
     if recipes:
         prepared = _prepared_placeholders(recipes, weights)
@@ -177,7 +203,8 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
                                if n in mapped.regions and weights.get(n) is mapped.tensors[n]}
     sources.update({n: src for n, src in (derived or {}).items() if n in all_weights})
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
-    factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer)
+    factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer,
+                                (par.tp, par.ep, rank) if sharded else None)
     return ModelParts(factory, all_weights,
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
                       stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources)

@@ -28,8 +28,8 @@ GEMM orders (the golden's "ascending" with the routed MoE, and the cpu target's 
 row-parallel GEMMs continue the previous rank's sums with `gemm_panels_acc`) and as AOTInductor
 stage executables, which call the ops through the proxy executor: tests/test_parallel.py checks
 each against one process bit for bit. `run_sharded` runs the eager shards with torch.distributed's
-gloo backend on this host. Not done yet: sharded bundles (per-rank weights, the world size in the
-manifest) and `dsneuron run` launching the ranks. Refused by name: an expert split over moe_tp =
+gloo backend on this host; a sharded bundle (compiler/sharded_bundle.py) compiles each rank's shard
+into its own bundle, which runtime_min/sharded.py runs. Refused by name: an expert split over moe_tp =
 tp / ep > 1 ranks, a tp that does not divide model.o_groups. Shapes
 follow the official DeepSeek-V4 inference/model.py parallel layers (ColumnParallelLinear /
 RowParallelLinear / ParallelEmbedding, its `world_size` split) and NxDI's moe_ep_degree x
@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.golden import Golden, check_sequence
 from dsneuron.graphs.model import Linear, Transformer
 from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
+from dsneuron.runtime_min.sharded import free_port
 
 from .plan import EXPERTS, TP, VOCAB, Instance, Parallel, vocab_rows, check_parallel, placement
 
@@ -149,10 +149,11 @@ def gather_vocab(comm: Comm, vocab: int) -> Callable[[torch.Tensor], torch.Tenso
     return gather
 
 
-def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Transformer:
-    """Cut `model` (a full golden Transformer, weights loaded) to rank `rank`'s shard in place (module
-    docstring) and return it; its float64 weight copies are rebuilt for the kept slices. Raises
-    UserError for what `check_shardable` refuses, ValueError for a rank outside 0..tp-1."""
+def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm, cache: bool = True) -> Transformer:
+    """Cut `model` (a full Transformer) to rank `rank`'s shard in place (module docstring) and return
+    it. cache: rebuild the golden's float64 weight copies for the kept slices (eager runs); a model
+    that is only traced (a compile, compiler/model_steps.py) skips them. Raises UserError for what
+    `check_shardable` refuses, ValueError for a rank outside 0..tp-1."""
     cfg = model.cfg
     check_shardable(cfg, par)
     if not 0 <= rank < par.tp:
@@ -204,17 +205,12 @@ def shard_model(model: Transformer, par: Parallel, rank: int, comm: Comm) -> Tra
         w = torch.cat([w, w.new_zeros(per - w.size(0), w.size(1))])
     head.weight = nn.Parameter(w.clone(), requires_grad=False)
     head.out_features, head.cached, head.gather = per, None, gather_vocab(comm, cfg.vocab_size)
-    model.cache_dequantized()
+    if cache:
+        model.cache_dequantized()
     return model
 
 
 # ----------------------------------------------------------------------------------------- run
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, args: dict[str, Any]) -> None:
@@ -286,7 +282,7 @@ def run_sharded(cfg: ModelConfig, checkpoint: Path, max_seq_len: int, par: Paral
     threads = max(1, (os.cpu_count() or 1) // par.tp)
     with tempfile.TemporaryDirectory(prefix="dsneuron-sharded-") as tmp:
         args = {"cfg": cfg, "checkpoint": str(checkpoint), "max_seq_len": max_seq_len, "par": par, "ids": list(ids),
-                "n_prompt": n_prompt, "cpu_kernels": cpu_kernels, "timed": timed, "port": _free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
+                "n_prompt": n_prompt, "cpu_kernels": cpu_kernels, "timed": timed, "port": free_port(), "threads": threads, "out": str(Path(tmp) / "logits.pt")}
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, args)) for r in range(par.tp)]
         for p in procs:

@@ -10,6 +10,7 @@ the casts generically.
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import torch
 
@@ -57,12 +58,16 @@ def load_casts(model: Transformer, weights: dict[str, torch.Tensor]) -> dict[str
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, torch.Tensor], engram_num_embeddings: tuple[int, ...],
-                max_seq_len: int) -> Transformer:
-    """A Transformer holding `weights` (output of model_weights, casts applied or not).
+                max_seq_len: int, shard: Callable[[Transformer], Any] | None = None) -> Transformer:
+    """A Transformer holding `weights` (output of model_weights, casts applied or not). shard: cuts
+    the fresh (unloaded) Transformer to one rank's shapes before `weights`, that rank's slices, are
+    loaded into it (compiler/parallel.py shard_model).
 
     Raises ValueError naming missing/unexpected parameters or a shape/dtype mismatch.
     """
     model = Transformer(cfg, engram_num_embeddings, max_seq_len)
+    if shard is not None:
+        shard(model)
     params = dict(model.named_parameters())
     casts = load_casts(model, weights)
     weights = {n: (t.to(casts[n]) if n in casts else t) for n, t in weights.items()}

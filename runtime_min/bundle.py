@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .schema import MANIFEST, BundleError, Manifest, Prepare, parse_dtype
+from .schema import MANIFEST, PARALLEL, BundleError, Manifest, Prepare, parse_dtype
 
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
 # of these names are placeholders). Compiling traces on the XLA device (torch_neuronx), runs
@@ -144,7 +144,7 @@ def _release(version: str) -> str:
 
 def verify_files(root: Path, manifest: Manifest) -> None:
     """Every listed file matches its size and sha256; every file the bundle uses is listed."""
-    used = [manifest.weights_file, *manifest.tokenizer.files, *(f for b in manifest.buckets for f in b.files)]
+    used = [*manifest.weights_files, *manifest.tokenizer.files, *(f for b in manifest.buckets for f in b.files)]
     for rel in used:
         if rel not in manifest.files:
             raise BundleError(f"{MANIFEST}: {rel} is used by the bundle but has no checksum in the manifest")
@@ -189,29 +189,38 @@ class Bundle:
         mapped next to their prepared copy (tiny: 0.55 GiB of file pages otherwise).
         """
         m = self.manifest
-        path = str(self.root / m.weights_file)
         taken = {n for b in m.buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
         consumed = {n for p in m.prepare for n in (*p.weights, *p.scales)}
-        with safe_open(path, framework="pt") as f:
-            names = set(f.keys())
-            weights = {n: self._loaded(f, n) for n in names if n in taken or n not in consumed}
+        where: dict[str, str] = {}  # tensor name -> the weights file that holds it
+        weights = {}
+        for rel in m.weights_files:
+            with safe_open(str(self.root / rel), framework="pt") as f:
+                for n in f.keys():
+                    if n in where:
+                        raise BundleError(f"{rel}: holds tensor {n!r}, which {where[n]} holds too")
+                    where[n] = rel
+                    if n in taken or n not in consumed:
+                        weights[n] = self._loaded(f, n)
+        what = m.weights_file if len(m.weights_files) == 1 else "the weights files"
         for n in (*m.load_casts, *m.weight_views):
-            if n not in names:
+            if n not in where:
                 key = "load_casts" if n in m.load_casts else "weight_views"
-                raise BundleError(f"{m.weights_file}: has no tensor {n!r}, which manifest {key} names")
+                raise BundleError(f"{what}: has no tensor {n!r}, which manifest {key} names")
         for p in m.prepare:
-            missing = [n for n in (*p.weights, *p.scales) if n not in names]
+            missing = [n for n in (*p.weights, *p.scales) if n not in where]
             if missing:
-                raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which manifest prepare names")
-            with safe_open(path, framework="pt") as f:
-                stored = {n: self._loaded(f, n) for n in (*p.weights, *p.scales)}
+                raise BundleError(f"{what}: has no tensor {missing[0]!r}, which manifest prepare names")
+            stored = {}
+            for rel in dict.fromkeys(where[n] for n in (*p.weights, *p.scales)):
+                with safe_open(str(self.root / rel), framework="pt") as f:
+                    stored.update({n: self._loaded(f, n) for n in (*p.weights, *p.scales) if where[n] == rel})
             weights.update(prepare_tensors(p, stored))
             del stored
         for b in m.buckets:
             for file, names_in in ((b.file, b.weights), *((st.file, st.weights) for st in b.stages)):
                 missing = [n for n in names_in if n not in weights]
                 if missing:
-                    raise BundleError(f"{m.weights_file}: has no tensor {missing[0]!r}, which {file} takes")
+                    raise BundleError(f"{what}: has no tensor {missing[0]!r}, which {file} takes")
         return weights
 
     def _loaded(self, f: Any, name: str) -> torch.Tensor:
@@ -260,6 +269,9 @@ def read_manifest(root: Path) -> Manifest:
         what = "is not a folder" if root.exists() else "does not exist"
         raise BundleError(f"bundle folder {root} {what}")
     mpath = root / MANIFEST
+    if not mpath.is_file() and (root / PARALLEL).is_file():
+        raise BundleError(f"{root} is a sharded bundle ({PARALLEL}, one rank bundle in each rank-<r>-of-<world> "
+                          "folder): `dsneuron run` runs it, `dsneuron inspect` takes one rank folder (`compare` takes one-process bundles)")
     if not mpath.is_file():
         raise BundleError(f"{root} is not a dsneuron bundle: it has no {MANIFEST} (an interrupted compile leaves none)")
     try:
@@ -277,14 +289,26 @@ def read_manifest(root: Path) -> Manifest:
 HLO_BACKEND = "torch-xla-hlo"
 
 
-def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: bool = False) -> Bundle:
+def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: bool = False,
+                shard: tuple[int, int, int] | None = None) -> Bundle:
     """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem.
     verify_key: a PEM public key; the bundle must then carry a signature by its private key over
     its files as they are (runtime_min/signing.py), checked right after the manifest parses.
     An HLO-only bundle (compiler.backend HLO_BACKEND) is refused unless hlo_ok (`dsneuron inspect`):
-    it holds no executables, so its target and toolchain are not checked either."""
+    it holds no executables, so its target and toolchain are not checked either.
+    shard: (tp, ep, rank) of the process that opens a rank bundle of a sharded bundle
+    (runtime_min/sharded.py); its manifest's compiler.shard must be that plan and rank. A rank
+    bundle opened without it, or an ordinary bundle opened with it, is refused (unless hlo_ok)."""
     root = Path(path).absolute()
     manifest = read_manifest(root)
+    recorded = manifest.compiler.get("shard")
+    want = None if shard is None else dict(zip(("tp", "ep", "rank"), shard))
+    if recorded != want and not (hlo_ok and shard is None):
+        if want is None:
+            raise BundleError(f"{root} is rank {recorded.get('rank')} of a sharded bundle of {recorded.get('tp')} "
+                              f"ranks: run the folder above it ({root.parent}), which starts every rank")
+        raise BundleError(f"{root}: compiled as {recorded or 'one process'}, opened as rank {want['rank']} of "
+                          f"tp={want['tp']}, ep={want['ep']}")
     if verify_key is not None:
         from .signing import verify_bundle
 

@@ -19,27 +19,30 @@ it does for any op a loaded module registers (runtime_min/executor_cpu.py import
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
-_SPENT = [0.0]  # seconds this process has spent inside the collectives' torch.distributed calls
+_spent = 0.0  # seconds this process has spent inside the collectives' torch.distributed calls
 
 
 def collective_seconds() -> float:
     """Wall seconds this process has spent in the collectives' torch.distributed calls so far: the
     transfers plus the wait for the ranks before it in a chain (what sharding costs a step, beside
-    the compute it divides). compiler/bench_parallel.py reads it per decode token."""
-    return _SPENT[0]
+    the compute it divides). compiler/bench_parallel.py and Session's decode stats read it."""
+    return _spent
 
 
-class _timed:
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        _SPENT[0] += time.perf_counter() - self.t0
+@contextlib.contextmanager
+def _timed():
+    global _spent
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _spent += time.perf_counter() - t0
 
 
 def _world() -> tuple[int, int]:

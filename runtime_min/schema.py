@@ -62,8 +62,13 @@ from dsneuron import UserError
 
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
-#: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged)
-SUPPORTED_SCHEMA_VERSIONS = (1, 2)
+#: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
+#: the version of a manifest with `weight_files` (weights in several shards): an older runtime
+#: would look for every tensor in weights_file
+WEIGHT_FILES_SCHEMA_VERSION = 3
+#: the most bytes of tensors one weights shard holds (Hugging Face's default max_shard_size, 5GB)
+WEIGHT_SHARD_BYTES = 5 * 10**9
 FORMAT = "dsneuron-bundle"
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -407,6 +412,9 @@ class Manifest:
         view (the cpu backend takes float8_e8m0fnu scales as uint8); applied after load_casts.
     prepare: `Prepare` recipes, applied after the views (schema version 2): stored tensors ->
         the kernel-layout tensors the executables take.
+    weight_files: when not empty (schema version 3), the weights are in these safetensors files,
+        each tensor in one of them and each file at most WEIGHT_SHARD_BYTES of tensors, instead of
+        all in weights_file: weights-<i>-of-<n>.safetensors, as a Hugging Face checkpoint is sharded.
     """
 
     target: str
@@ -426,6 +434,12 @@ class Manifest:
     load_casts: dict[str, str] = field(default_factory=dict)
     weight_views: dict[str, str] = field(default_factory=dict)
     prepare: tuple[Prepare, ...] = ()
+    weight_files: tuple[str, ...] = ()
+
+    @property
+    def weights_files(self) -> tuple[str, ...]:
+        """Every file that holds weights: weight_files, else (weights_file,)."""
+        return self.weight_files or (self.weights_file,)
 
     def to_json(self) -> str:
         """The manifest.json text, sealed with `manifest_sha256` (module docstring)."""
@@ -440,6 +454,8 @@ class Manifest:
         }
         if self.prepare:
             body["prepare"] = [p.to_dict() for p in self.prepare]
+        if self.weight_files:
+            body["weight_files"] = list(self.weight_files)
         body[SEAL] = content_sha256(body)
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
@@ -491,12 +507,29 @@ class Manifest:
             load_casts=_dtype_map(_get(r, "load_casts", dict, ""), "load_casts"),
             weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
             prepare=tuple(Prepare.from_dict(x, f"prepare[{i}]") for i, x in enumerate(r.get("prepare", []))),
+            weight_files=_weight_files(r.get("weight_files", [])),
         )
         if manifest.prepare and version < 2:
             raise BundleError(f"{MANIFEST}: prepare needs schema version 2 (the manifest says {version})")
+        if manifest.weight_files and version < WEIGHT_FILES_SCHEMA_VERSION:
+            raise BundleError(f"{MANIFEST}: weight_files needs schema version {WEIGHT_FILES_SCHEMA_VERSION} (the "
+                              f"manifest says {version})")
         _check_buckets(manifest)
         _check_seal(r)
         return manifest
+
+
+def _weight_files(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(f, str) and f.endswith(".safetensors") for f in raw):
+        raise BundleError("manifest weight_files: expected a list of .safetensors file names")
+    if len(set(raw)) != len(raw):
+        raise BundleError("manifest weight_files: names a file twice")
+    return tuple(raw)
+
+
+def weight_shard_names(n: int) -> list[str]:
+    """The file names of a bundle's weights in n > 1 shards (Manifest.weight_files)."""
+    return [f"weights-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
 def content_sha256(raw: dict[str, Any]) -> str:
@@ -660,3 +693,74 @@ def _get(r: dict[str, Any], key: str, typ: type, where: str) -> Any:
     if not ok:
         raise BundleError(f"manifest {full}: expected {typ.__name__}, got {type(value).__name__}")
     return value
+
+
+# ------------------------------------------------------------------------------ sharded bundles
+#: a sharded bundle (`dsneuron compile --tp N`) is a folder of `world` rank bundles, each an
+#: ordinary bundle of this module in RANK_DIR, plus this file naming them
+PARALLEL = "parallel.json"
+PARALLEL_FORMAT = "dsneuron-sharded-bundle"
+PARALLEL_SCHEMA_VERSION = 1
+
+
+def rank_dir(rank: int, world: int) -> str:
+    """The folder of rank `rank`'s bundle inside a sharded bundle of `world` ranks."""
+    return f"rank-{rank}-of-{world}"
+
+
+@dataclass(frozen=True)
+class ShardedManifest:
+    """parallel.json of a sharded bundle: the parallel plan (compiler/plan.py Parallel: tp ranks =
+    the world size, ep expert-parallel groups) and, per rank in rank order, the sha256 of its
+    bundle's manifest.json file, so that a rank folder swapped for another compile's is refused
+    before any rank starts. Each rank bundle's manifest records the same plan and its rank in
+    compiler.shard {"tp", "ep", "rank"}, so a rank folder opened on its own is refused too
+    (runtime_min/bundle.py open_bundle)."""
+
+    tp: int
+    ep: int
+    manifest_sha256: tuple[str, ...]
+    created_by: str = ""
+    schema_version: int = PARALLEL_SCHEMA_VERSION
+    format: str = PARALLEL_FORMAT
+
+    @property
+    def world(self) -> int:
+        return self.tp
+
+    def to_json(self) -> str:
+        ranks = [{"dir": rank_dir(r, self.world), "manifest_sha256": h} for r, h in enumerate(self.manifest_sha256)]
+        return json.dumps({"format": self.format, "schema_version": self.schema_version, "created_by": self.created_by,
+                           "tp": self.tp, "ep": self.ep, "world": self.world, "ranks": ranks}, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardedManifest":
+        """Parse and validate parallel.json; raises BundleError naming the first bad field."""
+        try:
+            raw = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:
+            raise BundleError(f"{PARALLEL}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict) or raw.get("format") != PARALLEL_FORMAT:
+            raise BundleError(f"{PARALLEL}: not a dsneuron sharded bundle (format must be {PARALLEL_FORMAT!r})")
+        version = raw.get("schema_version")
+        if version != PARALLEL_SCHEMA_VERSION:
+            raise BundleError(f"{PARALLEL}: schema_version {version!r} is not one this runtime reads "
+                              f"({PARALLEL_SCHEMA_VERSION}); use the dsneuron that wrote it")
+        tp, ep, world = (_get(raw, k, int, PARALLEL) for k in ("tp", "ep", "world"))
+        if tp < 2 or world != tp or ep < 1 or tp % ep:
+            raise BundleError(f"{PARALLEL}: tp={tp}, ep={ep}, world={world} is no plan a sharded bundle holds "
+                              "(tp >= 2 = world, ep dividing tp)")
+        ranks = _get(raw, "ranks", list, PARALLEL)
+        if len(ranks) != world:
+            raise BundleError(f"{PARALLEL}: ranks lists {len(ranks)} rank bundles for a world of {world}")
+        hashes = []
+        for r, entry in enumerate(ranks):
+            where = f"{PARALLEL} ranks[{r}]"
+            entry = _obj(entry, where)
+            if _get(entry, "dir", str, where) != rank_dir(r, world):
+                raise BundleError(f"{where}.dir: must be {rank_dir(r, world)!r}, got {entry['dir']!r}")
+            h = _get(entry, "manifest_sha256", str, where)
+            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h):
+                raise BundleError(f"{where}.manifest_sha256: not a hex sha256")
+            hashes.append(h)
+        return cls(tp, ep, tuple(hashes), created_by=str(raw.get("created_by", "")))

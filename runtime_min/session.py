@@ -38,6 +38,7 @@ from dsneuron import UserError
 
 from . import schema, select
 from .bundle import Bundle, open_bundle
+from .collectives import collective_seconds
 from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
 from .sampling import check_params, check_seed, sample
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
@@ -69,7 +70,9 @@ class GenerationStats:
     prefill executable; load_s: executables loaded on first use during the call (counted in the
     step that needed them); prefill_s: the prefill step, logits included; first_token_s: from the
     call's start to the first token sampled (encoding and bucket choice included); decode_steps /
-    decode_s: the decode steps after the prefill; tokens_per_s: decode_steps * rows / decode_s.
+    decode_s: the decode steps after the prefill; tokens_per_s: decode_steps * rows / decode_s;
+    collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
+    (runtime_min/collectives.py collective_seconds; 0 for one process).
     """
 
     prompt_tokens: int
@@ -80,6 +83,7 @@ class GenerationStats:
     first_token_s: float = 0.0
     decode_steps: int = 0
     decode_s: float = 0.0
+    collective_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,6 +94,8 @@ class GenerationStats:
         load = f" (of which {self.load_s:.3f} s loading executables)" if self.load_s else ""
         decode = (f"decode {self.decode_steps} steps x {self.rows} rows in {self.decode_s:.3f} s = "
                   f"{self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
+        if self.collective_s:
+            decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"
         return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s{load}; "
                 f"time to first token {self.first_token_s:.3f} s; {decode}")
 
@@ -199,11 +205,13 @@ class Session:
                               f"the model's vocabulary has {vocab}")
 
     @classmethod
-    def load(cls, path: str | Path, verify_key: str | Path | None = None) -> "Session":
+    def load(cls, path: str | Path, verify_key: str | Path | None = None,
+             shard: tuple[int, int, int] | None = None) -> "Session":
         """Open and verify the bundle at `path` (runtime_min/bundle.py; with `verify_key`, its
-        signature too), load weights and tokenizer. Executables load on first use. Raises
+        signature too), load weights and tokenizer. Executables load on first use. shard: (tp, ep,
+        rank) when this process is one rank of a sharded bundle (runtime_min/sharded.py). Raises
         BundleError naming the first problem."""
-        return cls(open_bundle(path, verify_key))
+        return cls(open_bundle(path, verify_key, shard=shard))
 
     # ------------------------------------------------------------------ buckets
     def _lengths(self, kind: str, batch: int) -> list[int]:
@@ -317,12 +325,13 @@ class Session:
                 if active[i]:
                     pos[i] = len(ids[i]) + len(generated[i]) - 1
                     feed[i, 0] = generated[i][-1]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), collective_seconds()
             exe, args, history = self._decode_call(feed, pos, history, state)
             outs = exe.run(args)
             state = self._collect(exe.bucket, outs)
             next_ids = sample(outs[0], temperature, top_p, gen)
             stats.decode_s += time.perf_counter() - t0
+            stats.collective_s += collective_seconds() - c0
             stats.decode_steps += 1
         for i in range(n):
             piece = streams[i].finish()

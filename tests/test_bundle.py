@@ -188,7 +188,7 @@ def test_truncated_file(copy):
 
 def test_unknown_schema_version(monkeypatch, capsys, copy):
     edit_manifest(copy, lambda m: m.update(schema_version=99))
-    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2\)"):
+    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3\)"):
         open_bundle(copy)
     for cmd in ("run", "inspect"):
         args = [cmd, str(copy)] + (["--prompt", "hi"] if cmd == "run" else [])
@@ -630,3 +630,34 @@ def test_compile_without_a_terminal_logs_each_event_as_a_line(tmp_path):
         assert f"{label}: waiting" in lines and any(ln.startswith(f"{label}: cached") for ln in lines), lines
     assert not any(ch in log.getvalue() for ch in "⠋⠙⠹━"), "no spinner or bar characters in a log"
     assert lines[-1].startswith("bundle written to")
+
+
+def test_weights_in_shards_load_as_one_file(micro_bundle, tmp_path):
+    """The micro bundle rewritten with its weights in shards of at most 1 MiB of tensors
+    (BundleWriter.write_weight_shards, Manifest.weight_files at schema version 3) loads the same
+    tensors and generates the same tokens; a version-2 manifest naming weight_files is refused."""
+    from safetensors.torch import load_file
+
+    from dsneuron.compiler.bundle_writer import BundleWriter
+    from dsneuron.runtime_min.bundle import read_manifest
+    from dsneuron.runtime_min.schema import WEIGHT_FILES_SCHEMA_VERSION, WEIGHTS
+
+    src = micro_bundle.path
+    m = read_manifest(src)
+    stored = load_file(str(src / WEIGHTS))
+    with BundleWriter(tmp_path / "sharded_weights", force=False) as w:
+        for rel in m.files:
+            if rel != WEIGHTS:
+                w.copy_in(src / rel, rel)
+        names = w.write_weight_shards(stored, shard_bytes=2**20)
+        out = w.commit(dataclasses.replace(m, weight_files=names, schema_version=WEIGHT_FILES_SCHEMA_VERSION))
+    assert len(names) > 2 and not (out / WEIGHTS).exists()
+    assert all(sum(t.numel() * t.element_size() for t in load_file(str(out / n)).values()) <= 2**20 or
+               len(load_file(str(out / n))) == 1 for n in names)
+    one, split = Session.load(src), Session.load(out)
+    assert one.weights.keys() == split.weights.keys()
+    assert all(torch.equal(one.weights[n], split.weights[n]) for n in one.weights)
+    assert one.generate_ids(["Hello world"], 6) == split.generate_ids(["Hello world"], 6)
+    old = dataclasses.replace(read_manifest(out), schema_version=2).to_json()
+    with pytest.raises(BundleError, match="weight_files needs schema version 3"):
+        Manifest.from_json(old)

@@ -165,12 +165,12 @@ def test_compiled_sharded_stages_give_the_unsharded_executables_bits(micro_cfg, 
     chain ops and return what the unsharded executables return, bit for bit, on both ranks."""
     import torch.multiprocessing as mp
 
-    from dsneuron.compiler.parallel import _free_port
+    from dsneuron.runtime_min.sharded import free_port
 
     names = ("layers.1.attn", "layers.1.ffn")
     args = {"cfg": micro_cfg, "checkpoint": micro_checkpoint, "max_len": load_config("micro")[1].max_seq_len,
             "ids": [(37 * i + 11) % 5000 + 100 for i in range(16)], "stages": names, "out": str(tmp_path),
-            "port": _free_port()}
+            "port": free_port()}
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_compiled_stages_rank, args=(r, w, args)) for r, w in ((0, 2), (1, 2), (0, 1))]
     for p in procs:
@@ -188,3 +188,14 @@ def test_compiled_sharded_stages_give_the_unsharded_executables_bits(micro_cfg, 
             assert len(outs) == len(want[name][0])
             for a, b in zip(outs, want[name][0]):
                 assert torch.equal(a, b), name
+
+
+def test_bench_parallel_refuses_an_unwritable_json_before_running(tmp_path, capsys):
+    """A --json the figures cannot be written to exits 2 on stderr before the minutes of runs."""
+    from dsneuron.compiler import bench_parallel
+
+    for bad, says in ((tmp_path / "no" / "r.json", "does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            bench_parallel.main(["--config", "micro", "--json", str(bad)])
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err
