@@ -81,13 +81,16 @@ def run_bundles(one: Path, sharded: Path, n_decode: int, repeats: int) -> dict:
     """Both bundles' decode (module docstring); returns the figures as plain data. Raises
     BundleError (a UserError) for a bundle that is not of the kind its argument names."""
     from dsneuron.compiler.default_prompts import default_prompts
-    from dsneuron.runtime_min.schema import BundleError
+    from dsneuron.runtime_min.bundle import read_manifest
+    from dsneuron.runtime_min.schema import BundleError, rank_dir
     from dsneuron.runtime_min.session import Session
     from dsneuron.runtime_min.sharded import launch, read_sharded
 
     plan = read_sharded(sharded)
     if plan is None:
-        raise BundleError(f"--bundles: {sharded} is no sharded bundle (no parallel.json)")
+        raise BundleError(f"--bundles ONE SHARDED: {sharded} is no sharded bundle (no parallel.json)")
+    if read_manifest(one).model_config != read_manifest(sharded / rank_dir(0, plan.world)).model_config:
+        raise BundleError(f"--bundles: {one} and {sharded} are bundles of different models (model_config)")
     prompt = dict(default_prompts())["short"]
     said: list[str] = []
     keep = lambda stream, text: said.append(text)  # noqa: E731

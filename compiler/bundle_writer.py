@@ -62,6 +62,9 @@ def check_output(out: Path, force: bool) -> None:
         raise OutputError(f"output {out}: {above} is not a folder; choose another --out")
     if not os.access(above, os.W_OK | os.X_OK):
         raise OutputError(f"output {out}: no permission to write in {above}; choose another --out")
+    if (out.absolute().parent / PARALLEL).is_file():
+        raise OutputError(f"output {out} is inside the sharded bundle {out.absolute().parent} (beside its {PARALLEL}): "
+                          "recompile the sharded bundle as a whole, or choose another --out")
     if not out.exists():
         return
     if not out.is_dir():

@@ -27,6 +27,7 @@ from rich.console import Console
 
 from dsneuron import UserError
 from dsneuron.disk import check_output_file
+from dsneuron.runtime_min.sharded import RankFailed
 
 #: the metavar of an on/off flag: none, where typer's help would print "<bool>" after a flag that takes no value
 FLAG = ""
@@ -207,11 +208,11 @@ def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, hlo_only
         raise UserError(f"--tp must be a positive integer (the ranks of a sharded bundle), got {tp}")
     if tp == 1:
         if ep not in (None, 1):
-            raise UserError(f"--ep {ep} needs --tp: expert-parallel groups live inside the tp ranks")
+            raise UserError(f"--ep {ep} needs --tp 2 or more: expert-parallel groups live inside the tp ranks")
         return None
     if target != "cpu" or hlo_only:
-        raise UserError(f"--tp {tp}: sharded bundles are made for the cpu target only (the neuron target's NxD "
-                        "parallel layers are not written yet)")
+        raise UserError(f"--tp {tp}{' with --hlo-only' if hlo_only else ''}: sharded bundles are made for the cpu "
+                        "target only (the neuron target's NxD parallel layers are not written yet)")
     if probes:
         raise UserError(f"--tp {tp} with --probes: a sharded bundle has no probe outputs; `dsneuron compare` a "
                         "one-process bundle")
@@ -255,6 +256,10 @@ def run_cmd(
            "top_p": top_p, "seed": seed, "stats": stats}
     sharded = read_sharded(bundle)
     if sharded is None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world != "1":
+            raise UserError(f"{bundle} is a one-process bundle, launched with WORLD_SIZE={world} (torchrun): run it "
+                            "without torchrun, or compile a sharded bundle with --tp")
         generate(Session.load(bundle, verify_key), _print, **job)
         return
     if seed is None and temperature > 0:  # every rank draws with rank 0's seed (runtime_min/sharded.py)
@@ -478,6 +483,11 @@ def main() -> None:
     except UserError as e:
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except RankFailed as e:  # a rank of a sharded run crashed: its error, not a traceback of the parent
+        from rich.markup import escape
+
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except Terminated as e:
         err_console.print("[bold red]terminated[/]")
         sys.exit(e.code)

@@ -306,7 +306,7 @@ def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: 
     if recorded != want and not (hlo_ok and shard is None):
         if want is None:
             raise BundleError(f"{root} is rank {recorded.get('rank')} of a sharded bundle of {recorded.get('tp')} "
-                              f"ranks: run the folder above it ({root.parent}), which starts every rank")
+                              f"ranks: `dsneuron run` the folder above it ({root.parent}), which starts every rank")
         raise BundleError(f"{root}: compiled as {recorded or 'one process'}, opened as rank {want['rank']} of "
                           f"tp={want['tp']}, ep={want['ep']}")
     if verify_key is not None:

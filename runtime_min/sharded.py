@@ -41,6 +41,11 @@ Out = Callable[[str, str], None]
 Job = Callable[..., None]
 
 
+class RankFailed(RuntimeError):
+    """A rank of a sharded run died or raised something other than a UserError: the message names
+    each such rank and its error or exit code (`dsneuron run` prints it as one line, exit code 1)."""
+
+
 def read_sharded(root: Path) -> ShardedManifest | None:
     """The ShardedManifest of `root`, None when it is no sharded bundle (no parallel.json). Raises
     BundleError for a malformed parallel.json, a missing rank bundle or one whose manifest.json is
@@ -96,8 +101,10 @@ def _spawned(rank: int, args: dict[str, Any], messages) -> None:
     try:
         _run_rank(rank, args["sharded"], args["root"], f"tcp://127.0.0.1:{args['port']}", args["verify_key"],
                   args["job"], args["kwargs"], out)
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group: the parent reports it
+        sys.exit(130)
     except BaseException as e:  # the parent names it and stops the other ranks
-        if not isinstance(e, UserError):
+        if not isinstance(e, (UserError, SystemExit)):
             traceback.print_exc()
         user = isinstance(e, UserError)
         messages.put(("error", rank, user, str(e) if user else f"{type(e).__name__}: {e}"))
@@ -108,7 +115,7 @@ def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any
            verify_key: Path | None = None) -> None:
     """Run `job` on every rank of the sharded bundle `root` (module docstring); rank 0's output goes
     to out(stream, text). Raises BundleError for a torchrun world size that is not the bundle's, a
-    rank's UserError as its own (every rank meets the same bad input), RuntimeError naming each rank
+    rank's UserError as its own (every rank meets the same bad input), RankFailed naming each rank
     that failed otherwise."""
     import torch.multiprocessing as mp
 
@@ -128,6 +135,7 @@ def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any
     messages = ctx.Queue()
     procs = [ctx.Process(target=_spawned, args=(r, args, messages)) for r in range(sharded.world)]
     errors: dict[int, tuple[bool, str]] = {}
+    stopped: set[int] = set()  # ranks this process terminated: they did not fail by themselves
     try:
         for p in procs:
             p.start()
@@ -145,14 +153,16 @@ def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any
             else:
                 errors[msg[1]] = (msg[2], msg[3])
     finally:  # after a success every rank has exited; else the survivors wait for the failed one
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.is_alive():
                 p.terminate()
+                stopped.add(r)
             p.join()
     user = [msg for _, (is_user, msg) in sorted(errors.items()) if is_user]
     if user:
         raise UserError(user[0])
-    bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode}
+    bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode and r not in stopped}
     if bad:
         said = "; ".join(f"rank {r}: {errors[r][1] if r in errors else f'exit code {code}'}" for r, code in bad.items())
-        raise RuntimeError(f"sharded run of {root}: {said}")
+        raise RankFailed(f"sharded run of {root}: {said}" + (f" (stopped the other ranks: {sorted(stopped)})"
+                                                             if stopped else ""))

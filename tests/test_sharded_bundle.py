@@ -153,3 +153,18 @@ def test_a_two_rank_bundle_generates_the_one_process_text(micro_bundle, monkeypa
             assert run_cli(monkeypatch, "run", str(bundle), "--prompt", prompt, "--max-new-tokens", "12") == 0
             texts.append(capsys.readouterr().out)
         assert texts[0].strip() and texts[0] == texts[1], prompt
+
+
+def test_an_output_inside_a_sharded_bundle_is_refused(tmp_path):
+    """A --force compile into a rank folder would leave the sharded bundle around it broken."""
+    from dsneuron.compiler.bundle_writer import OutputError, check_output
+
+    root = _fake_sharded(tmp_path / "b")
+    with pytest.raises(OutputError, match="is inside the sharded bundle"):
+        check_output(root / rank_dir(0, 2), force=True)
+
+
+def test_a_one_process_bundle_under_torchrun_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi") == 2
+    assert "one-process bundle, launched with WORLD_SIZE=2" in capsys.readouterr().err
