@@ -108,7 +108,7 @@ def _resealed(src: Path, dst: Path, shard: dict | None) -> Path:
 
 def test_a_rank_bundle_opens_only_as_its_rank(micro_bundle, tmp_path):
     rank0 = _resealed(micro_bundle.path, tmp_path / "rank0", {"tp": 2, "ep": 2, "rank": 0})
-    with pytest.raises(BundleError, match="is rank 0 of a sharded bundle of 2 ranks: run the folder above it"):
+    with pytest.raises(BundleError, match="is rank 0 of a sharded bundle of 2 ranks: `dsneuron run` the folder above it"):
         open_bundle(rank0)
     with pytest.raises(BundleError, match="opened as rank 1 of tp=2, ep=2"):
         open_bundle(rank0, shard=(2, 2, 1))
