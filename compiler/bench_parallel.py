@@ -9,7 +9,7 @@ shipped short prompt `--repeats` times (the first call loads the executables), o
 in this run, and the best repeat's decode seconds per token are compared, with rank 0's seconds
 inside the collectives and whether both made the same tokens.
 
-Without --bundles:runs the shipped short prompt plus `--decode` teacher-forced tokens through `run_sharded` twice, in
+Without --bundles: runs the shipped short prompt plus `--decode` teacher-forced tokens through `run_sharded` twice, in
 the cpu target's numerics (GEMM order "kernel", grouped-GEMM MoE) on the eager shards: once as one
 process (TP=1, every core) and once as tp processes over gloo (cores / tp threads each). Prints
 rank 0's seconds per decode token for both, the sharded run's seconds inside the collectives

@@ -187,10 +187,8 @@ def compile_cmd(
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
     if par is not None:
-        from dsneuron.compiler.parallel import check_shardable
         from dsneuron.compiler.sharded_bundle import compile_sharded_bundle
 
-        check_shardable(model_cfg, par)
         compile_sharded_bundle(model_cfg, compile_cfg, out, par, cache_dir=cache_dir, force=force, console=console,
                                sign_key=sign_key)
         return

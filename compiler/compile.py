@@ -36,7 +36,7 @@ from dsneuron.runtime_min.bundle import check_target, host_toolchain
 from dsneuron.runtime_min.schema import (SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
                                          WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
                                          Manifest, Prepare, StateEntry, TensorSpec, Tokenizer, bucket_file,
-                                         dtype_name)
+                                         dtype_name, shard_record)
 
 from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
@@ -314,7 +314,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             compiler={**backend.compiler_record(dict(sorted(custom_ops.items())), facts),
                       **({"gemm_order": parts.steps.order} if hasattr(parts.steps, "order") else {}),
                       **({"indexer": parts.steps.indexer} if hasattr(parts.steps, "indexer") else {}),
-                      **({"shard": dict(zip(("tp", "ep", "rank"), parts.steps.shard))}
+                      **({"shard": shard_record(*parts.steps.shard)}
                          if getattr(parts.steps, "shard", None) else {})},
             model_config=model_cfg.to_dict(), compile_config=compile_cfg.to_dict(),
             tokenizer=Tokenizer(files=tuple(f"{TOKENIZER_DIR}/{p.name}" for p in tok_files),

@@ -161,6 +161,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     capacities = plan_buckets(compile_cfg, model_cfg).decode_capacities
     cpu = target == "cpu"
     sharded = par is not None and par.tp > 1
+    shard = None
     if sharded:
         if not cpu:
             raise CompileError(f"--tp {par.tp}: a sharded compile is implemented for the cpu target only (the neuron "
@@ -187,7 +188,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     held = {n: ((placeholder(tuple(t.shape), casts[n]) if n in consumed and not sharded else t.to(casts[n]))
                 if n in casts else t)
             for n, t in weights.items()}
-    models = {c: build_model(model_cfg, held, rows, c, shard if sharded else None) for c in capacities}
+    models = {c: build_model(model_cfg, held, rows, c, shard) for c in capacities}
     first = models[capacities[0]]
     if recipes:
         prepared = _prepared_placeholders(recipes, weights)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .schema import MANIFEST, PARALLEL, BundleError, Manifest, Prepare, parse_dtype
+from .schema import MANIFEST, PARALLEL, BundleError, Manifest, Prepare, parse_dtype, shard_record
 
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
 # of these names are placeholders). Compiling traces on the XLA device (torch_neuronx), runs
@@ -302,7 +302,7 @@ def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: 
     root = Path(path).absolute()
     manifest = read_manifest(root)
     recorded = manifest.compiler.get("shard")
-    want = None if shard is None else dict(zip(("tp", "ep", "rank"), shard))
+    want = None if shard is None else shard_record(*shard)
     if recorded != want and not (hlo_ok and shard is None):
         if want is None:
             raise BundleError(f"{root} is rank {recorded.get('rank')} of a sharded bundle of {recorded.get('tp')} "

@@ -703,6 +703,11 @@ PARALLEL_FORMAT = "dsneuron-sharded-bundle"
 PARALLEL_SCHEMA_VERSION = 1
 
 
+def shard_record(tp: int, ep: int, rank: int) -> dict[str, int]:
+    """A rank bundle's manifest compiler.shard: its plan and rank (ShardedManifest)."""
+    return {"tp": tp, "ep": ep, "rank": rank}
+
+
 def rank_dir(rank: int, world: int) -> str:
     """The folder of rank `rank`'s bundle inside a sharded bundle of `world` ranks."""
     return f"rank-{rank}-of-{world}"
