@@ -1,42 +1,36 @@
-"""neuron backend: each bucket's exported step -> torch-neuronx HLO with NKI kernels -> neuronx-cc -> NEFF.
+"""neuron backend: each bucket's exported step -> StableHLO (torch-mlir) -> [NKI kernels bound, HLO] -> neuronx-cc -> NEFF.
 
-NOT RUN ON HARDWARE. Everything below the SDK seam (`compile_neff`) follows the public sources
-cited at each step and has never been executed here (the Neuron SDK is not installable on this
-host); the rest (flags, keys, lowering, the kernel adapters) is tested with a stand-in for that
-seam and, for the adapters, with the NumPy stand-in of `nki`.
+NOT RUN ON HARDWARE. Everything of the SDK seam (`compile_neff`: binding the NKI kernels,
+neuronx-cc) follows the public sources cited at each step and has never been executed here (the
+Neuron SDK is not installable on this host); it is tested with a stand-in compiler and a stand-in
+for the one call that needs `nki`. The rest (flags, keys, lowering, StableHLO, the kernel adapters)
+runs here, the StableHLO on XLA:CPU (runtime_min/executor_stablehlo.py, tests/test_stablehlo.py).
 
 `NeuronBackend` is the neuron side of compiler/compile.py's bundle loop (its `Backend` interface);
 everything else of a compile (export, cache, weights, tokenizer, manifest, atomic write) is that
 loop's. Per bucket:
-1. torch.export on the host with the neuron lowering (`lowering`): a custom op that has an NKI
-   kernel (`NKI_KERNELS`) stays one graph node; any other custom op is inlined from its torch
-   reference (compiler/lower.py `InlineCustomOps`), so it reaches XLA as ordinary ops. The export
-   uses the XLA spelling (`xla_spelling`, kernels_nki/formats.py): FP8/FP4 bytes and UE8M0 scales
-   are decoded and activations rounded to e4m3 in integer/fp32 arithmetic, so the graph holds no
-   float8 dtype (torch-xla has none; trn1/trn2 have no OCP e4m3fn, neuronx-cc NCC_EVRF051) and no
-   op torch-xla runs on the host. What follows up to the HLO runs on XLA:CPU in
-   compiler/xla_check.py (tests/test_xla.py, scripts/xla-check).
-2. Cache key ingredients (`NeuronBackend.key_ingredients`): this bucket's neuronx-cc arguments, the
-   torch/SDK versions and the sources of the NKI kernel and adapter modules (`kernel_sources`).
-3. On a miss, `compile_neff`: the exported graph runs on the XLA device under `NkiDispatch`, which
-   answers each kernel op by calling its `@nki.jit` kernel through the op's adapter
-   (kernels_nki/neuron_adapters.py: pad, uint8 views, format constant, result slice); a kernel call
-   on XLA tensors records an HLO custom-call that neuronx-cc replaces by the kernel
-   (aws-neuron-sdk:nki/guides/framework_custom_op.rst). torch-neuronx turns the trace into an
-   HloModuleProto (`torch_neuronx.xla_impl.trace.generate_hlo`, called the way
-   neuronx-distributed's trace/model_builder.py calls it), and `neuronx-cc compile --framework XLA`
-   makes the NEFF (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst). The kernels'
-   compiled side files live in the `nki` package's temporary folders; tracing and compiling happen
-   in one call, so they still exist when neuronx-cc reads them (neuron_toolchain.md 1.8).
-4. The NEFF header is read back (runtime_min/neff.py): its lnc_size must be the requested --lnc,
-   and the manifest records, per bucket, the flags and the header's lnc_size / feature_bits /
-   version (`Manifest.compiler["neff"]`, runtime_min/neff.py `NeffRecord`).
+1. torch.export on the host with the neuron lowering (`lowering`, compiler/lower.py KernelCalls):
+   a custom op that has an NKI kernel (`NKI_KERNELS`) runs its adapter around the kernel's own op
+   (`dsneuron::nki_*`, kernels_nki/neuron_adapters.py: pad, uint8 views, format constant, result
+   slice), which stays one graph node; any other custom op is inlined from its torch reference. The
+   export uses the neuron spelling (kernels_nki/formats.py): no float8 dtype (trn1/trn2 have no OCP
+   e4m3fn, neuronx-cc NCC_EVRF051) and no float64 (Trainium computes none).
+2. Cache key ingredients (`NeuronBackend.key_ingredients`): this bucket's neuronx-cc arguments (or
+   "--stablehlo-only"), torch, torch-mlir, the SDK versions and the sources of the NKI kernel and
+   adapter modules (`kernel_sources`).
+3. On a miss: compiler/stablehlo.py lowers the program to one StableHLO module, each kernel call a
+   `stablehlo.composite` whose decomposition is its torch reference. With --stablehlo-only that
+   module, as a portable artifact, is the bucket's file. Else `compile_neff`: the composites become
+   the HLO custom-call neuronx-cc replaces by the NKI kernel (`bind_kernels`), XLA's importer
+   converts the module to an HloModuleProto, and `neuronx-cc compile --framework XLA` makes the
+   NEFF (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst).
+4. The file is read back: a StableHLO module's facts (compiler.stablehlo) or the NEFF header
+   (runtime_min/neff.py): its lnc_size must be the requested --lnc, and the manifest records, per
+   bucket, the flags and the header's lnc_size / feature_bits / version (`Manifest.compiler["neff"]`).
 
-Weights stay out of every NEFF: they are graph inputs (compiler/export.py) and live once in
-weights.safetensors. Non-weight constants (RoPE tables) are inlined into the NEFF
-(`inline_weights_to_neff=True`, the documented default of torch_neuronx.trace). fp8/e8m0 weights
-cross the NEFF boundary as uint8 views (`INPUT_VIEWS`): torch-neuronx's MetaNeff dtype table has no
-fp8 types (torch_neuronx/xla_impl/trace.py `hlo_metaneff`).
+Weights stay out of every module and NEFF: they are arguments (compiler/export.py) and live once in
+weights.safetensors. Non-weight constants (RoPE tables) are constants of the module. fp8/e8m0
+weights cross the boundary as uint8 views (`INPUT_VIEWS`).
 
 neuronx-cc arguments (`plan_flags`), lowest precedence first: the defaults `--model-type transformer
 -O 1 --auto-cast none --lnc 1`, the target of this instance (trn1/trn2, from the EC2 product
@@ -53,7 +47,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import importlib.util
 import os
 import shlex
@@ -61,25 +54,34 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch._library.custom_ops import OPDEFS
 
 from dsneuron.graphs.config import ConfigError
 from dsneuron.kernels_nki.neuron_adapters import BINDINGS, NkiBinding
-from dsneuron.runtime_min.bundle import NEURON_INDEX, host_toolchain
+from dsneuron.runtime_min.bundle import NEURON_INDEX, STABLEHLO_BACKEND, host_toolchain
 from dsneuron.runtime_min.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
 from dsneuron.runtime_min.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
 from dsneuron.runtime_min.schema import BundleError
 
 from .cache import _is_number
 from .export import CompileError
-from .lower import InlineCustomOps, _custom_name
+from .lower import KernelCalls
+from .stablehlo import (COMPOSITE_PREFIX, TARGET_VERSION, KernelOp, StableHlo, artifact_text, lower_program,
+                        parse_module, rebind_composites, require_torch_mlir, stablehlo_versions)
 
 BACKEND = "neuronx-cc"
 TARGETS = ("trn1", "trn2")
+#: manifest `compiler.stablehlo[file].format` of a --stablehlo-only bucket
+ARTIFACT_FORMAT = "stablehlo-portable-artifact"
+#: a bucket's module is also written as text beside its artifact up to this many bytes
+TEXT_LIMIT = 2 << 20
+#: the HLO custom-call target neuronx-cc replaces by an NKI kernel (aws-neuron-sdk:nki/guides/framework_custom_op.rst)
+NKI_CUSTOM_CALL = "AwsNeuronCustomNativeKernel"
 # custom op -> its NKI kernel and the adapter calling it from the op's arguments
 # (kernels_nki/neuron_adapters.py). Ops not listed are inlined from their reference: the V4.1
 # indexer's `mqa_logits_bf16` works on bf16 QDQ values, which no FP8/FP4 kernel takes.
@@ -291,97 +293,88 @@ def require_compiler() -> str:
 
 
 # ------------------------------------------------------------------------------------------ lowering
-def lowering(kernels: Mapping[str, Mapping[str, str]]) -> InlineCustomOps:
-    """The export-time lowering of the neuron target: ops of `kernels` (`kernel_sources`) stay calls
-    (their NKI kernel replaces them at trace time), every other custom op is inlined from its reference."""
-    mode = InlineCustomOps()
-    mode.called.update({op: f"NKI kernel {entry['kernel']}" for op, entry in kernels.items()})
-    return mode
+def lowering() -> KernelCalls:
+    """The export-time lowering of the neuron target: each op of NKI_KERNELS runs its adapter around
+    its kernel's op (kernels_nki/neuron_adapters.py), which stays one graph node, the composite of
+    compiler/stablehlo.py; every other custom op is inlined from its reference."""
+    return KernelCalls(NKI_KERNELS)
 
 
-class NkiDispatch(TorchFunctionMode):
-    """While active, a call of a custom op of `table` ({op: NkiBinding}) runs its NKI kernel through
-    the binding's adapter; the kernel is imported on first use and, with lnc > 1, launched as
-    `kernel[lnc]` (the launch degree must equal the logical core size, neuron_toolchain.md 1.2).
-    A ValueError of the adapter or kernel (arguments the kernel cannot take) becomes a CompileError
-    naming the op and the kernel."""
-
-    def __init__(self, table: Mapping[str, NkiBinding], lnc: int):
-        super().__init__()
-        self.table, self.lnc = dict(table), lnc
-        self._kernels: dict[str, Any] = {}
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = _custom_name(func)
-        binding = self.table.get(name) if name else None
-        if binding is None:
-            return func(*args, **(kwargs or {}))
-        if name not in self._kernels:
-            module, _, attr = binding.kernel.partition(":")
-            kernel = getattr(importlib.import_module(module), attr)
-            self._kernels[name] = kernel[self.lnc] if self.lnc > 1 else kernel
-        try:
-            return binding.call(self._kernels[name], *args, **(kwargs or {}))
-        except ValueError as e:
-            raise CompileError(f"{name}: its NKI kernel {binding.kernel} cannot take these arguments: {e}") from None
+def kernel_ops(kernels: Mapping[str, Mapping[str, str]]) -> dict[str, KernelOp]:
+    """{"dsneuron::nki_*": KernelOp} for the bindings of NKI_KERNELS, with the kernel hashes of
+    `kernels` (`kernel_sources`): what compiler/stablehlo.py makes composites of."""
+    out = {}
+    for op, binding in NKI_KERNELS.items():
+        out[binding.op] = KernelOp(binding.op, binding.kernel, kernels[op]["kernel_sha256"], OPDEFS[binding.op]._init_fn)
+    return out
 
 
-def device_module(program: torch.export.ExportedProgram, device: torch.device) -> torch.nn.Module:
-    """`program` as a module that runs on `device` (the XLA device): its parameters, buffers and
-    lifted constants moved there, and every creation op's `device=` (torch.export records the
-    tracing host's, "cpu") retargeted, so no op mixes host and device tensors. Parameters of a
-    float8 dtype stay on the host: they are the step's own parameters that export_step swapped for
-    inputs, never read, and the XLA bridge has no float8 types."""
-    from .export import FLOAT8_DTYPES
-
-    module = program.module()
-    for node in module.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device):
-            node.kwargs = {**node.kwargs, "device": device}
-    module.recompile()
-    for sub in module.modules():
-        for group in (sub._parameters, sub._buffers):
-            for attr, t in list(group.items()):
-                if t is not None and t.dtype not in FLOAT8_DTYPES:
-                    moved = t.detach().to(device)
-                    group[attr] = torch.nn.Parameter(moved, requires_grad=False) if group is sub._parameters else moved
-        for attr, t in list(vars(sub).items()):  # lifted tensor constants are plain attributes
-            if isinstance(t, torch.Tensor) and t.device != device:
-                setattr(sub, attr, t.to(device))
-    return module
+def stablehlo_toolchain() -> dict[str, Any]:
+    """The manifest's toolchain for a StableHLO bundle: the host entries (`cpu_isa` empty: the
+    module holds no host code), torch-mlir's version and its StableHLO versions."""
+    versions = stablehlo_versions()
+    return {**host_toolchain(), "cpu_isa": [], "torch_mlir": metadata.version("torch-mlir"),
+            "stablehlo": {"artifact": TARGET_VERSION, **versions}}
 
 
 # ------------------------------------------------------------------------------------------ the SDK seam
-def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequence[str], lnc: int,
-                 bindings: Mapping[str, NkiBinding]) -> None:
-    """Trace `program` on the XLA device with the NKI kernels and compile it with neuronx-cc into the
-    NEFF `out` (written whole, then renamed). Needs the Neuron SDK; NOT RUN ON HARDWARE here.
+def nki_kernel_config(kernel: str, operand_types: Sequence[str], result_types: Sequence[str],
+                      attributes: Mapping[str, Any], lnc: int) -> str:
+    """The backend_config of one NKI kernel call (the kernel "module:function" at these operand
+    and result types, with these constant arguments, launched on `lnc` cores), which the `nki`
+    package writes when it compiles the kernel for a framework (aws-neuron-sdk:nki/guides/
+    framework_custom_op.rst; nkipy nkipy/core/nki_op.py passes `backend_config_b64` of nki 0.4+'s
+    compiled kernel). NOT WRITTEN: it needs the Neuron SDK's `nki`, which this project has never
+    run; raises CompileError naming what is missing."""
+    raise CompileError(f"binding the NKI kernel {kernel} into the module needs the Neuron SDK's nki package (AWS Neuron "
+                       f"pip index, {NEURON_INDEX}) and its framework API, which dsneuron has not been run against: "
+                       "compile with --stablehlo-only on this host")
 
-    args: this bucket's canonical neuronx-cc arguments; bindings: {op: NkiBinding} (`NkiDispatch`).
-    Raises CompileError when a kernel cannot take its op's arguments, when torch-neuronx changes the
-    input/output interface (an input pruned by XLA would shift every later input of the NEFF) or
-    when neuronx-cc fails (with the end of its log).
+
+def bind_kernels(module: StableHlo, lnc: int, kernel_config: Any = None) -> int:
+    """Replace, in place, every kernel composite of `module` ("dsneuron.nki.<kernel>",
+    compiler/stablehlo.py) by a `stablehlo.custom_call` to NKI_CUSTOM_CALL over the same operands,
+    the HLO custom-call that neuronx-cc replaces by the NKI kernel named in its backend_config
+    (aws-neuron-sdk:nki/guides/framework_custom_op.rst); returns how many. kernel_config(kernel,
+    operand types, result types, attributes, lnc) -> backend_config (default `nki_kernel_config`,
+    which needs the SDK). Raises CompileError as kernel_config does."""
+    return rebind_composites(module, COMPOSITE_PREFIX, NKI_CUSTOM_CALL, lnc, kernel_config or nki_kernel_config)
+
+
+def hlo_module_proto(module: StableHlo) -> bytes:
+    """The module as a serialized XLA HloModuleProto, neuronx-cc's documented input (`neuronx-cc
+    compile <hlo.pb> --framework XLA`, aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst),
+    converted by XLA's own StableHLO importer (jaxlib, the `test` extra). Results come as one tuple,
+    as a framework's traced HLO returns them. Raises CompileError when the conversion fails or
+    jaxlib is missing."""
+    try:
+        from jax._src.lib import _jax
+    except ImportError as e:
+        raise CompileError(f"converting StableHLO to neuronx-cc's HloModuleProto needs jaxlib ({e}); "
+                           "pip install jaxlib==0.10.2") from None
+    try:
+        computation = _jax.mlir.mlir_module_to_xla_computation(module.text, use_tuple_args=False, return_tuple=True)
+    except Exception as e:  # jaxlib's own error type
+        raise CompileError(f"XLA could not convert the StableHLO module to HLO: {str(e).splitlines()[0][:300]}") from None
+    return computation.as_serialized_hlo_module_proto()
+
+
+def compile_neff(module: StableHlo, out: Path, args: Sequence[str], lnc: int) -> None:
+    """Bind the kernels (`bind_kernels`), convert `module` to HLO (`hlo_module_proto`) and compile it
+    with `neuronx-cc compile <hlo.pb> --framework XLA <args>` into the NEFF `out` (written whole,
+    then renamed). Needs the Neuron SDK; NOT RUN ON HARDWARE here.
+
+    Why HLO and not StableHLO into neuronx-cc: the compiler's documented command line takes an
+    HloModuleProto (how-to-generate-neff.rst); TorchNeuron hands StableHLO to the compiler inside
+    its own process, through no documented file format or flag. args: this bucket's canonical
+    neuronx-cc arguments. Raises CompileError when a kernel cannot be bound or neuronx-cc fails
+    (with the end of its log).
     """
-    import torch_xla  # the SDK's torch-xla; imported only here
-    from torch_neuronx.xla_impl import trace as xla_trace
-
     exe = require_compiler()
-    sig = program.graph_signature
-    user = set(sig.user_inputs)
-    examples = tuple(torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
-                     for n in program.graph.nodes if n.op == "placeholder" and n.name in user)
+    bind_kernels(module, lnc)
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
-        with NkiDispatch(bindings, lnc):
-            # the module retargeted to the XLA device (`device_module`), as the XLA check runs it here
-            hlo = xla_trace.generate_hlo(device_module(program, torch_xla.device()), examples, {}, inline_weights_to_neff=True,
-                                         return_weights=False, output_aliased_tensor=False, cpu_backend=True)
-        got = [tuple(t.shape) for t in hlo.metaneff.input_tensors]
-        want = [tuple(e.shape) for e in examples]
-        if got != want or len(hlo.metaneff.output_tensors) != len(sig.user_outputs):
-            raise CompileError(f"{out.stem}: torch-neuronx traced inputs {got} and {len(hlo.metaneff.output_tensors)} "
-                               f"outputs; the bucket passes {want} and expects {len(sig.user_outputs)}")
-        graph = Path(tmp) / "graph.hlo"
-        graph.write_bytes(hlo.hlo_module.SerializeToString())
+        graph = Path(tmp) / "model.hlo.pb"
+        graph.write_bytes(hlo_module_proto(module))
         neff, log = Path(tmp) / out.name, Path(tmp) / "log-neuron-cc.txt"
         cmd = [exe, "compile", str(graph), "--framework", "XLA", *args, "--output", str(neff), f"--logfile={log}"]
         proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
@@ -394,48 +387,86 @@ def compile_neff(program: torch.export.ExportedProgram, out: Path, args: Sequenc
 # ------------------------------------------------------------------------------------------ the backend
 class NeuronBackend:
     """The neuron target for compiler/compile.py `compile_bundle`; the methods are its `Backend`
-    interface's. Per bucket (by file stem): the canonical neuronx-cc arguments are the cache key's
-    flags and the NEFF record's; the key's toolchain is `key_toolchain`.
+    interface's. Each bucket is lowered to StableHLO (compiler/stablehlo.py); with
+    `stablehlo_only` the bucket's file is that module as a portable artifact (any host with
+    dsneuron's install), else the NEFF neuronx-cc makes of it (the SDK, NOT RUN here).
 
-    Made before any work, from the `flags` overrides and the plan's bucket file stems: plans and
-    validates every bucket's neuronx-cc arguments (`plan_flags`), hashes the NKI kernel and adapter
-    modules of NKI_KERNELS (`kernel_sources`) and finds neuronx-cc. Raises ConfigError,
-    CompileError or BundleError naming the problem.
+    Made before any work, from the `flags` overrides and the plan's bucket file stems: hashes the
+    NKI kernel and adapter modules of NKI_KERNELS (`kernel_sources`) and, for NEFFs, plans and
+    validates every bucket's neuronx-cc arguments (`plan_flags`) and finds neuronx-cc; for
+    StableHLO, checks torch-mlir. Raises ConfigError, CompileError or BundleError naming the problem.
+    The cache keys take the neuronx-cc arguments (or "--stablehlo-only") and `key_toolchain`.
     """
 
     target = "neuron"
-    name = BACKEND
     input_views = INPUT_VIEWS
-    # torch-xla has no float8 types and trn1/trn2 no OCP e4m3fn (neuronx-cc EVRF051)
-    xla_spelling = True
-    cacheable = True
+    # trn1/trn2 have no OCP e4m3fn (neuronx-cc EVRF051) and no float64
+    neuron_spelling = True
 
-    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
-        self.flags = plan_flags(flags, stems)
-        self.bindings = dict(NKI_KERNELS)
-        self.kernels = kernel_sources(self.bindings)
-        require_compiler()
-        self.toolchain = neuron_toolchain()
-        self._key_toolchain = key_toolchain(self.toolchain, self.kernels)
+    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str], stablehlo_only: bool = False):
+        self.stablehlo_only = stablehlo_only
+        self.kernels = kernel_sources()
+        self._kernel_ops = kernel_ops(self.kernels)
+        if stablehlo_only:
+            if flags:
+                raise ConfigError("neuron flags: --stablehlo-only runs no neuronx-cc, so it takes no neuronx-cc flags")
+            require_torch_mlir()
+            self.name = STABLEHLO_BACKEND
+            self.toolchain = stablehlo_toolchain()
+            self._key_toolchain = {"torch": self.toolchain["torch"], "torch_mlir": self.toolchain["torch_mlir"],
+                                   "stablehlo": self.toolchain["stablehlo"]["artifact"],
+                                   "nki_kernels": {op: dict(e) for op, e in self.kernels.items()}}
+        else:
+            self.flags = plan_flags(flags, stems)
+            require_compiler()
+            self.name = BACKEND
+            self.toolchain = {**neuron_toolchain(), "torch_mlir": metadata.version("torch-mlir")}
+            self._key_toolchain = key_toolchain(self.toolchain, self.kernels)
+        self._texts: dict[str, str | None] = {}
 
-    def lowering(self) -> InlineCustomOps:
-        return lowering(self.kernels)
+    def lowering(self) -> KernelCalls:
+        return lowering()
 
     def key_ingredients(self, stem: str) -> tuple[list[str], dict[str, Any]]:
-        return list(self.flags.per_bucket[stem]), self._key_toolchain
+        flags = ["--stablehlo-only"] if self.stablehlo_only else list(self.flags.per_bucket[stem])
+        return flags, self._key_toolchain
 
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
-        compile_neff(program, out, self.flags.per_bucket[stem], self.flags.lnc, self.bindings)
+        module = lower_program(program, self._kernel_ops, stem)
+        if not self.stablehlo_only:
+            compile_neff(module, out, self.flags.per_bucket[stem], self.flags.lnc)
+            return
+        tmp = out.with_name(f".{out.name}.part")
+        tmp.write_bytes(module.artifact())
+        os.replace(tmp, out)
 
     def bucket_facts(self, path: Path, stem: str) -> dict[str, Any]:
-        """The NEFF's manifest record; its header must be whole and carry the requested logical
-        core size (else BundleError: never bundle a bad NEFF)."""
+        """The manifest record of the bucket's file. StableHLO: format, version, the module's facts
+        (compiler/stablehlo.py ModuleFacts) and its text file when one is written (`side_files`).
+        NEFF: its header must be whole and carry the requested logical core size (else
+        BundleError: never bundle a bad NEFF)."""
+        if self.stablehlo_only:
+            module = parse_module(artifact_text(path.read_bytes()))
+            facts = module.facts()
+            text = module.text if facts.text_bytes <= TEXT_LIMIT else None
+            self._texts[path.name] = text
+            return {"format": ARTIFACT_FORMAT, "version": TARGET_VERSION, "facts": facts.to_dict(),
+                    "text": f"{path.name.removesuffix('.mlirbc')}.mlir" if text is not None else None}
         header = read_header(path)
         lnc = self.flags.lnc
         check_header(header, path.stat().st_size, path.name, allowed_feature_bits=header.feature_bits, lnc=lnc,
                      lnc_source=f"requested with --lnc {lnc}")
         return NeffRecord.of(header, self.flags.per_bucket[stem]).to_dict()
 
+    def side_files(self, path: Path) -> dict[str, bytes]:
+        """Files written beside the bucket's file at `path` (after `bucket_facts`): its module as
+        text when at most TEXT_LIMIT bytes."""
+        text = self._texts.get(path.name)
+        return {} if text is None else {f"{path.name.removesuffix('.mlirbc')}.mlir": text.encode()}
+
     def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        return {"backend": BACKEND, "flags": list(self.flags.common), "custom_ops": custom_ops,
-                "nki_kernels": {op: entry["kernel"] for op, entry in self.kernels.items()}, "neff": facts}
+        record = {"backend": self.name, "custom_ops": custom_ops,
+                  "nki_kernels": {op: entry["kernel"] for op, entry in self.kernels.items()}}
+        if self.stablehlo_only:
+            return {**record, "flags": ["--stablehlo-only"], "stablehlo": facts}
+        return {**record, "flags": list(self.flags.common), "neff": facts}

@@ -131,15 +131,16 @@ def compile_cmd(
     decode_lens: Optional[str] = typer.Option(None, "--decode-lens", help="with --checkpoint: decode context lengths "
                                                                           "[default: max-seq-len]"),
     out: Path = typer.Option(Path("artifacts"), "--out", help="bundle folder (must not hold a bundle unless --force)"),
-    target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (needs the Neuron SDK, "
-                                                       "or torch-xla with --hlo-only)"),
+    target: str = typer.Option("cpu", "--target", help="cpu (AOTInductor on this host) or neuron (NEFFs: needs the "
+                                                       "Neuron SDK; StableHLO modules with --stablehlo-only)"),
     force: bool = typer.Option(False, "--force", metavar=FLAG, help="replace an existing bundle folder, every file in it (kept intact until the new one is complete)"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="compile cache (default $DSNEURON_CACHE_DIR or ~/.cache/dsneuron)"),
     probes: bool = typer.Option(False, "--probes", metavar=FLAG, help="also output every stage tensor, for the stage-by-stage `dsneuron compare`"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="PEM elliptic-curve private key: sign the bundle "
                                                                     "(OpenSSF model-signing) before it is moved into place"),
-    hlo_only: bool = typer.Option(False, "--hlo-only", metavar=FLAG, help="with --target neuron: stop at each bucket's "
-                                  "XLA HLO module (needs torch-xla, not the Neuron SDK); the bundle is for neuronx-cc, not `run`"),
+    stablehlo_only: bool = typer.Option(False, "--stablehlo-only", metavar=FLAG, help="with --target neuron: stop at "
+                                        "each bucket's StableHLO module (torch-mlir, no Neuron SDK): the input of "
+                                        "neuronx-cc; `run` and `compare` execute it on XLA:CPU as a check"),
     indexer: Optional[str] = typer.Option(None, "--indexer", help="indexer scores: official (the reference's bf16 "
                                           "expression) or kernel (the FP4 MQA-logits op, the NKI kernel on neuron) "
                                           "[default: the config's, official]"),
@@ -155,11 +156,11 @@ def compile_cmd(
     from dsneuron.compiler.config import check_indexer, checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
-    par = _parallel_flags(tp, ep, target, probes, hlo_only)
-    if hlo_only:  # fail fast, before reading anything
-        from dsneuron.compiler.backend_hlo import check_hlo_only
+    par = _parallel_flags(tp, ep, target, probes, stablehlo_only)
+    if stablehlo_only:  # fail fast, before reading anything
+        from dsneuron.compiler.compile import check_stablehlo_only
 
-        check_hlo_only(target)
+        check_stablehlo_only(target)
     else:
         check_target(target)
     if sign_key is not None:
@@ -194,10 +195,10 @@ def compile_cmd(
         return
     parts = pipeline.build_steps_for_config(model_cfg, compile_cfg, cache_dir, probes=probes, target=target)
     pipeline.compile_bundle(model_cfg, compile_cfg, out, parts, target=target, force=force, cache_dir=cache_dir,
-                            console=console, sign_key=sign_key, hlo_only=hlo_only)
+                            console=console, sign_key=sign_key, stablehlo_only=stablehlo_only)
 
 
-def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, hlo_only: bool):
+def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, stablehlo_only: bool):
     """The Parallel plan of compile's --tp/--ep, None for one process; UserError for flags that do not
     go together (the model's limits are checked once it is known: parallel.py check_shardable)."""
     from dsneuron.compiler.plan import Parallel
@@ -208,8 +209,8 @@ def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, hlo_only
         if ep not in (None, 1):
             raise UserError(f"--ep {ep} needs --tp 2 or more: expert-parallel groups live inside the tp ranks")
         return None
-    if target != "cpu" or hlo_only:
-        raise UserError(f"--tp {tp}{' with --hlo-only' if hlo_only else ''}: sharded bundles are made for the cpu "
+    if target != "cpu" or stablehlo_only:
+        raise UserError(f"--tp {tp}{' with --stablehlo-only' if stablehlo_only else ''}: sharded bundles are made for the cpu "
                         "target only (the neuron target's NxD parallel layers are not written yet)")
     if probes:
         raise UserError(f"--tp {tp} with --probes: a sharded bundle has no probe outputs; `dsneuron compare` a "
@@ -238,6 +239,7 @@ def run_cmd(
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
+    from dsneuron.runtime_min.bundle import is_stablehlo
     from dsneuron.runtime_min.sampling import check_params, check_seed
     from dsneuron.runtime_min.session import Session
     from dsneuron.runtime_min.sharded import launch, read_sharded
@@ -258,7 +260,10 @@ def run_cmd(
         if world != "1":
             raise UserError(f"{bundle} is a one-process bundle, launched with WORLD_SIZE={world} (torchrun): run it "
                             "without torchrun, or compile a sharded bundle with --tp")
-        generate(Session.load(bundle, verify_key), _print, **job)
+        session = Session.load(bundle, verify_key)
+        if is_stablehlo(session.manifest):
+            _print("stderr", "running the bundle's StableHLO modules on XLA:CPU: a check of the neuron path, not Trainium")
+        generate(session, _print, **job)
         return
     if seed is None and temperature > 0:  # every rank draws with rank 0's seed (runtime_min/sharded.py)
         job["seed"] = secrets.randbits(64)
@@ -391,7 +396,7 @@ def sign_cmd(
     from dsneuron.runtime_min.signing import check_private_key, sign_bundle
 
     check_private_key(key)
-    b = open_bundle(bundle, hlo_ok=True)  # only a bundle that verifies as it is gets signed
+    b = open_bundle(bundle, inspect=True)  # only a bundle that verifies as it is gets signed
     path = sign_bundle(b.root, key)
     console.print(f"signed {b.root}: {path.name}")
 
@@ -449,14 +454,22 @@ def inspect_cmd(
                   f"state tensors {len(m.state)}; engram hashing {'yes' if m.host_preprocessing.get('engram') else 'no'}")
     hint = signer_hint(root)
     console.print(f"signature: {'none (unsigned)' if hint is None else f'{SIGNATURE}, by the key with sha256 {hint}'}")
-    hlo = m.compiler.get("hlo")
-    if hlo is not None:  # --hlo-only: HLO modules for neuronx-cc, not executables
-        console.print(f"HLO modules (HloModuleProto, for neuronx-cc --framework XLA; not runnable here), NKI ops as "
-                      f"{m.compiler.get('nki_ops')}: " + "; ".join(
-                          f"{Path(rel).name} {sum('input' in q for q in r['parameters'])} inputs + "
-                          f"{sum('value' in q for q in r['parameters'])} values" for rel, r in sorted(hlo.items())))
-    open_bundle(root, verify_key, hlo_ok=True)
-    console.print(("verified: schema and every checksum OK" if hlo is not None else
+    shlo = m.compiler.get("stablehlo")
+    if shlo is not None:  # --stablehlo-only: the input of neuronx-cc; run / compare execute it on XLA:CPU
+        versions = tc.get("stablehlo") or {}
+        console.print(f"StableHLO modules (portable artifacts at version {versions.get('artifact')}, torch-mlir "
+                      f"{tc.get('torch_mlir')}), NKI kernels as composites; each takes the bucket's weights then its "
+                      "inputs:")
+        ops = Table("module", "args", "ops", "dot_general", "gather", "scatter", "sort", "composite", "f64", "i64",
+                    "largest const", title="StableHLO modules")
+        for rel, r in sorted(shlo.items()):
+            f = r["facts"]
+            ops.add_row(Path(rel).name, str(f["arguments"]), str(f["instructions"]),
+                        *(str(f["ops"][k]) for k in ("dot_general", "gather", "scatter", "sort", "composite")),
+                        str(f["f64_ops"]), str(f["i64_ops"]), str(f["largest_constant"]))
+        console.print(ops)
+    open_bundle(root, verify_key, inspect=True)
+    console.print(("verified: schema and every checksum OK" if shlo is not None else
                    "verified: schema, target, toolchain and every checksum OK")
                   + (f"; signature by {verify_key} OK" if verify_key is not None else ""))
 

@@ -312,6 +312,45 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
     return rep
 
 
+#: fp32 stages: a local error past 2 bf16 ulps at most this relative is an fp32 sum in another order
+FP32_STAGES = (".hc_attn.pre", ".hc_attn.post", ".hc_attn.comb", ".hc_ffn.pre", ".hc_ffn.post", ".hc_ffn.comb",
+               ".gate.weights", "final.logits")
+FP32_REORDER_REL = 1e-6
+#: stages rounded to FP8/FP4 (QDQ) from an fp32 result: a reordered sum moves a value across a
+#: rounding boundary now and then, one quantisation step (120 bf16 ulps at most: an e2m1 step of
+#: 0.5 at 1.0 is 64, at 1.5 it is about 85; an e4m3 step 16), at isolated elements
+QDQ_STAGES = (".compress_kv.entry", ".attn.window_kv")
+QDQ_STEP_ULPS = 128
+QDQ_SHARE = 0.02
+#: stages that read the step's compressed KV, which carry such a flip on
+AFTER_QDQ = (".attn.core", ".attn.out", ".indexer.scores")
+
+
+def local_deviations(rep: PromptReport) -> list[tuple[str, int, float, str | None]]:
+    """Every local re-run past 2 bf16 ulps as (stage, step, max_ulp, named deviation or None). Named:
+    "fp32 order" (an fp32 stage at most FP32_REORDER_REL off), "QDQ step" (a QDQ stage off at no more
+    than QDQ_SHARE of its elements, by at most QDQ_STEP_ULPS), "after a QDQ step" (a stage of
+    AFTER_QDQ at a step where a QDQ stage had a QDQ step). Targets that sum in their own order (the
+    neuron target's StableHLO on XLA) show these; the cpu target's kernels follow the golden's."""
+    flipped = {i for stage, per_step in rep.stages.items() if stage.endswith(QDQ_STAGES)
+               for i, e in enumerate(per_step) if e.get("local", {}).get("max_ulp", 0.0) > 2}
+    out = []
+    for stage, per_step in rep.stages.items():
+        for i, e in enumerate(per_step):
+            m = e.get("local", {})
+            if m.get("max_ulp", 0.0) <= 2:
+                continue
+            reason = None
+            if stage.endswith(FP32_STAGES) and m["max_rel"] <= FP32_REORDER_REL:
+                reason = "fp32 order"
+            elif stage.endswith(QDQ_STAGES) and m["max_ulp"] <= QDQ_STEP_ULPS and m["over2"] <= QDQ_SHARE:
+                reason = "QDQ step"
+            elif stage.endswith(AFTER_QDQ) and i in flipped:
+                reason = "after a QDQ step"
+            out.append((stage, i, m["max_ulp"], reason))
+    return out
+
+
 def worst_local(rep: PromptReport, metric: str = "max_ulp") -> tuple[str, float]:
     """(stage, value) of the largest local error over all steps: `metric` "max_ulp" (bf16 ulps of a
     float stage) or "rows_differ" (share of rows whose selected set differs); ("", 0.0) without one."""
@@ -385,9 +424,17 @@ def render(reports: list[PromptReport], console: Any) -> None:
         ratio = f", {v['bundle'] / used:.2f}x the floor" if used > 0 else ""
         local = ""
         if rep.stages:
-            stage, ulps = worst_local(rep)
-            local = (f"; stages: every local re-run within 2 bf16 ulps" if ulps <= 2 else
-                     f"; stages: a local re-run is {ulps:.3g} bf16 ulps off at {stage} (more than 2)")
+            devs = local_deviations(rep)
+            bad = [d for d in devs if d[3] is None]
+            named = {}
+            for d in devs:
+                if d[3] is not None:
+                    named[d[3]] = named.get(d[3], 0) + 1
+            local = ("; stages: every local re-run within 2 bf16 ulps" if not devs else
+                     "; stages: every local re-run within 2 bf16 ulps but named deviations ("
+                     + ", ".join(f"{n} {why}" for why, n in named.items()) + ")" if not bad else
+                     f"; stages: a local re-run is {max(d[2] for d in bad):.3g} bf16 ulps off at "
+                     f"{max(bad, key=lambda d: d[2])[0]} (more than 2, not a named deviation)")
         console.print(f"end to end, mean 1 - cos: bundle {v['bundle']:.2e}; floors {v['floor']:.2e} (reversed K) and "
                       f"{v['nudge']:.2e} (nudged); the floor used is the larger, {name} ({used:.2e}), margin "
                       f"{used - v['bundle']:+.2e}{ratio}: {'no worse than the floor' if v['ok'] else 'WORSE than the floor'}"

@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -35,7 +34,7 @@ from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
 from dsneuron.runtime_min.schema import (SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
                                          WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
-                                         Manifest, Prepare, StateEntry, TensorSpec, Tokenizer, bucket_file,
+                                         Manifest, StateEntry, TensorSpec, Tokenizer, bucket_file,
                                          dtype_name, shard_record)
 
 from . import backend_cpu, backend_neuron
@@ -43,41 +42,12 @@ from .buckets import BucketPlan, PlannedBucket, plan_buckets
 from .bundle_writer import BundleWriter, check_output
 from .cache import CompileCache, cache_key, cache_root, normalised_graph, pre_key
 from .config import CompileConfig
-from .export import CompileError, StepFactory, StepGraph, export_step
+from .export import CompileError, ModelParts, StepFactory, StepGraph, export_step
 from .lower import InlineCustomOps, finish, inline_mode
-from .staged import StagedCompile, default_workers
+from .staged import StagedCompile, default_workers, run_forked
 
 __all__ = ["Backend", "CpuBackend", "ModelParts", "StepFactory", "StepGraph", "build_steps_for_config", "compile_bundle",
            "make_backend"]
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """Everything the pipeline needs from the model side.
-
-    steps: builds the step graph of each bucket (graphs.steps for the real model);
-    weights: {name: tensor} stored in weights.safetensors; the steps' parameters must be these tensors;
-    tokenizer_files: files copied into the bundle's tokenizer/ (tokenizer.json first);
-    host_params: JSON-serialisable host-side preprocessing data, e.g. {"engram": params or None};
-    stored_dtypes: {weight name: dtype} to store narrower than the model holds it (a bf16 checkpoint
-        tensor promoted to fp32 at load, graphs.weights.load_casts); the cast back must be exact,
-        and the runtime re-applies the promotion (Manifest.load_casts).
-    prepare: load-time recipes (runtime_min/schema.py `Prepare`): their inputs are stored in the
-        bundle, their outputs (also in `weights`) are what the executables take and are not stored.
-    sources: {weight name: weight source (graphs/lazy.py)}: where the stored bytes of a weight come
-        from when they are not to be read from its tensor in `weights` (which may then be a
-        placeholder of the model's shape and dtype, never read): a checkpoint file region, a
-        deferred computation. Its shape is the weight's, its dtype the stored one (stored_dtypes,
-        else the weight's); a narrowing source gives the bytes the model's tensor was cast from.
-    """
-
-    steps: StepFactory
-    weights: dict[str, torch.Tensor]
-    tokenizer_files: Sequence[Path]
-    host_params: dict[str, Any]
-    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-    prepare: tuple[Prepare, ...] = ()
-    sources: Mapping[str, Any] = field(default_factory=dict)
 
 
 def build_steps_for_config(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir: Path | None = None,
@@ -97,17 +67,15 @@ class Backend(Protocol):
 
     target: the bundle's target ("cpu", "neuron"); name: the manifest's `compiler.backend`, also a
     cache key ingredient; toolchain: the manifest's `toolchain`; input_views: {weight dtype: dtype}
-    of weights passed to the executable as same-width views (compiler/export.py); xla_spelling:
-    export with FP8 decodes and roundings in integer arithmetic (no float8 dtype in the graph);
-    cacheable: its one output file per bucket may be kept in and taken from the compile cache.
+    of weights passed to the executable as same-width views (compiler/export.py); neuron_spelling:
+    export with FP8 decodes and roundings in integer arithmetic and no float64 (kernels_nki/formats.py).
     """
 
     target: str
     name: str
     toolchain: dict[str, Any]
     input_views: Mapping[torch.dtype, torch.dtype]
-    xla_spelling: bool
-    cacheable: bool
+    neuron_spelling: bool
 
     def lowering(self) -> InlineCustomOps:
         """A fresh export-time lowering mode for one bucket (compiler/lower.py)."""
@@ -119,7 +87,8 @@ class Backend(Protocol):
         """Compile one bucket's lowered program into the executable file `out`."""
 
     def bucket_facts(self, path: Path, stem: str) -> dict[str, Any] | None:
-        """What the manifest records about the executable at `path` (compiled or cached), or None."""
+        """What the manifest records about the executable at `path` (compiled or cached), or None.
+        A backend may also define side_files(path) -> {name: bytes}: files written beside it."""
 
     def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The manifest's `compiler` section from {op: "inline"|"call"} and {bucket file: facts}."""
@@ -133,8 +102,7 @@ class CpuBackend:
     target = "cpu"
     name = backend_cpu.BACKEND
     input_views = backend_cpu.INPUT_VIEWS
-    xla_spelling = False  # Inductor's float8 casts are the fastest spelling on this CPU
-    cacheable = True
+    neuron_spelling = False  # Inductor's float8 casts are the fastest spelling on this CPU
 
     def __init__(self, flags: dict[str, Any] | None):
         self.flags = backend_cpu.effective_flags(flags)
@@ -156,27 +124,34 @@ class CpuBackend:
         return {"backend": self.name, "flags": self.flags, "custom_ops": custom_ops}
 
 
-def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str], hlo_only: bool = False) -> Backend:
-    """The backend of `target` for the buckets with file stems `stems`; raises what the backend's
-    checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc,
-    or with hlo_only without torch-xla); BundleError for an unknown target or hlo_only off neuron."""
-    if hlo_only:
-        from .backend_hlo import HloBackend, check_hlo_only
+def check_stablehlo_only(target: str) -> None:
+    """Raise BundleError unless `--stablehlo-only` can go with `target` (neuron), CompileError when
+    torch-mlir is not importable."""
+    if target != "neuron":
+        raise BundleError(f"--stablehlo-only goes with --target neuron (got --target {target})")
+    from .stablehlo import require_torch_mlir
 
-        check_hlo_only(target)
-        return HloBackend()
+    require_torch_mlir()
+
+
+def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str], stablehlo_only: bool = False) -> Backend:
+    """The backend of `target` for the buckets with file stems `stems`; raises what the backend's
+    checks raise (neuron: ConfigError for bad flags, CompileError, BundleError without neuronx-cc
+    unless stablehlo_only); BundleError for an unknown target or stablehlo_only off neuron."""
+    if stablehlo_only:
+        check_stablehlo_only(target)
     if target == "cpu":
         return CpuBackend(flags)
     if target == "neuron":
-        return backend_neuron.NeuronBackend(flags, stems)
+        return backend_neuron.NeuronBackend(flags, stems, stablehlo_only)
     raise BundleError(f"unknown target {target!r} (known: cpu, neuron)")
 
 
 def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, parts: ModelParts, *,
                    target: str = "cpu", force: bool = False, cache_dir: Path | None = None,
                    flags: dict[str, Any] | None = None, console: Console | None = None,
-                   sign_key: Path | None = None, hlo_only: bool = False, label: str | None = None,
-                   weight_shard_bytes: int = WEIGHT_SHARD_BYTES) -> Path:
+                   sign_key: Path | None = None, stablehlo_only: bool = False, label: str | None = None,
+                   weight_shard_bytes: int = WEIGHT_SHARD_BYTES, bucket_workers: int | None = None) -> Path:
     """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
     returns `out`. sign_key: a PEM elliptic-curve private key; the bundle is then signed
     (runtime_min/signing.py) before it appears at `out`.
@@ -184,19 +159,21 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     flags: backend option overrides, part of every cache key: Inductor config keys on cpu
     (compiler/backend_cpu.py); on neuron {"target", "lnc", "args", "bucket_args"}
     (compiler/backend_neuron.py `plan_flags`).
-    hlo_only: with target "neuron", stop at each bucket's HLO module (compiler/backend_hlo.py; needs
-    torch-xla, not the Neuron SDK); the bundle can be inspected, not run.
+    stablehlo_only: with target "neuron", stop at each bucket's StableHLO module (compiler/stablehlo.py;
+    torch-mlir, not the Neuron SDK): the bundle runs on XLA:CPU as a check (executor_stablehlo.py).
     cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
     label: what the closing line says was done (default "bundle written to <out>").
     weight_shard_bytes: the weights go into files of at most this many bytes of tensors
     (runtime_min/schema.py Manifest.weight_files; one weights.safetensors when they fit in one).
+    bucket_workers: processes that export and compile single-graph buckets (default: one per core
+    on neuron, 1 on cpu, whose buckets are staged).
     Raises ConfigError (bad plan or flags), BundleError (target or its tools unavailable),
     OutputExistsError (out exists without force), CompileError (model wiring, a kernel that cannot
     take its op's shapes), and lets KeyboardInterrupt through after removing the partial bundle;
     the old bundle in `out` is untouched by any failure.
     """
     console = console or Console(stderr=True)
-    if not hlo_only:  # an HLO-only compile needs torch-xla, not the SDK (make_backend checks it)
+    if not stablehlo_only:  # a StableHLO-only compile needs torch-mlir, not the SDK (make_backend checks it)
         check_target(target, "compile")
     if sign_key is not None:  # a bad key fails now, not after the compile
         from dsneuron.runtime_min.signing import check_private_key
@@ -206,11 +183,12 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
-    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-hlo" if hlo_only else target) for pb in plan.buckets}
+    rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-stablehlo" if stablehlo_only else target)
+            for pb in plan.buckets}
     if staged:
         rels = {pb: rel.rsplit(".", 1)[0] for pb, rel in rels.items()}  # the folder of its stage executables
     stems = {pb: Path(rel).name.split(".")[0] for pb, rel in rels.items()}
-    backend = make_backend(target, flags, list(stems.values()), hlo_only)
+    backend = make_backend(target, flags, list(stems.values()), stablehlo_only)
     out = Path(out)
     check_output(out, force)
     _check_weights(parts.weights)
@@ -241,9 +219,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             per_token_lens[p.batch] = max(per_token_lens.get(p.batch, 0), p.seq_len)
     with BundleWriter(out, force) as writer, _progress(console) as progress:
         tasks = {pb: progress.add_task(pb.label, status="waiting", total=1) for pb in plan.buckets}
+        records: dict[PlannedBucket, dict[str, Any]] = {}
+        todo: list[tuple[PlannedBucket, str | None]] = []  # single-graph buckets to export (prekey)
         for pb in plan.buckets:
             task, rel, stem = tasks[pb], rels[pb], stems[pb]
-            t0 = time.perf_counter()
             key_flags, key_toolchain = backend.key_ingredients(stem)
             shape = {**dataclasses.asdict(pb), **({"per_token_len": per_token_lens.get(pb.batch)} if staged else {})}
             prekey = pre_key(fp, shape, wdigest, key_flags, key_toolchain, target, backend.name) if fp else None
@@ -254,27 +233,40 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 hit = sc.plan(pb, prekey, rel, per_token_lens.get(pb.batch))
                 progress.update(task, status="cached" if hit else "waiting to compile", completed=hit)
                 continue
-            cacheable = backend.cacheable
-            record = cache.get_alias(prekey) if prekey and cacheable else None
-            how = "cached"
+            record = cache.get_alias(prekey) if prekey else None
             if record is None:
-                progress.update(task, status="exporting")
-                record, program = _export(parts, pb, backend)
-                record["graph_key"] = cache_key(normalised_graph(program), key_flags, key_toolchain, target, backend.name)
-                artifact = cache.get(record["graph_key"]) if cacheable else None
-                if artifact is None:
-                    progress.update(task, status="compiling")
-                    backend.compile(program, writer.path(rel), stem)
-                    artifact = cache.put(record["graph_key"], writer.path(rel)) if cacheable else writer.path(rel)
-                    how, compiled = "compiled", compiled + 1
-                if prekey and cacheable:
-                    cache.put_alias(prekey, record)
-                record["artifact"] = artifact
-            if how == "cached":
-                writer.copy_in(record["artifact"], rel)
+                todo.append((pb, prekey))
+            else:
+                records[pb] = {**record, "how": "cached"}
+        if todo:
+            t0 = time.perf_counter()
+            # the neuron buckets (export and lowering: single-threaded Python) in a process per core;
+            # the cpu target's single-graph path (stand-in models in tests) in this process
+            workers = bucket_workers if bucket_workers is not None else \
+                min(default_workers(), len(todo)) if target == "neuron" else 1
+
+            def make(i: int) -> dict[str, Any]:
+                pb, prekey = todo[i]
+                return _make_bucket(parts, pb, backend, cache, prekey, stems[pb], tmp=writer.path(rels[pb]))
+
+            def show(done: int, total: int) -> None:
+                for pb, _ in todo:
+                    if pb not in records:
+                        progress.update(tasks[pb], status=f"{done} of {total} buckets made, {workers} processes, "
+                                                          f"{time.perf_counter() - t0:.0f} s")
+            for (pb, _), record in zip(todo, run_forked(len(todo), make, workers, show)):
+                records[pb] = record
+                compiled += record["how"] == "compiled"
+        for pb in plan.buckets:
+            if staged:
+                continue
+            record, rel, stem = records[pb], rels[pb], stems[pb]
+            writer.copy_in(Path(record["artifact"]), rel)
             fact = backend.bucket_facts(writer.path(rel), stem)
             if fact is not None:
                 facts[rel] = fact
+            for side, data in getattr(backend, "side_files", lambda path: {})(writer.path(rel)).items():
+                writer.path(f"{Path(rel).parent}/{side}").write_bytes(data)
             custom_ops.update(record["custom_ops"])
             weight_views.update(record["views"])
             buckets.append(Bucket(kind=pb.kind, batch=pb.batch, seq_len=pb.seq_len, capacity=pb.capacity, file=rel,
@@ -282,7 +274,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                                   inputs=tuple(TensorSpec.from_dict(x, "inputs") for x in record["inputs"]),
                                   outputs=tuple(TensorSpec.from_dict(x, "outputs") for x in record["outputs"]),
                                   cache_key=record["graph_key"]))
-            progress.update(task, status=f"{how} in {time.perf_counter() - t0:.1f} s", completed=1)
+            progress.update(tasks[pb], status=record["how"], completed=1)
         if sc is not None:
             todo = {pb for t in sc.tasks for pb in t.buckets}
             t0 = time.perf_counter()
@@ -335,6 +327,27 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     return path
 
 
+def _make_bucket(parts: ModelParts, pb: PlannedBucket, backend: Backend, cache: CompileCache, prekey: str | None,
+                 stem: str, tmp: Path) -> dict[str, Any]:
+    """Export one single-graph bucket, key it and, on a cache miss, compile it into the cache
+    (through `tmp`, its place in the unfinished bundle); returns its record (compiler/cache.py's
+    front index entry) with "artifact" (the cached file) and "how" ("compiled" | "cached by graph").
+    Runs in a forked worker (staged.run_forked) or in the compiling process."""
+    key_flags, key_toolchain = backend.key_ingredients(stem)
+    record, program = _export(parts, pb, backend)
+    record["graph_key"] = cache_key(normalised_graph(program), key_flags, key_toolchain, backend.target, backend.name)
+    artifact = cache.get(record["graph_key"])
+    how = "cached"
+    if artifact is None:
+        backend.compile(program, tmp, stem)
+        artifact = cache.put(record["graph_key"], tmp)
+        tmp.unlink()
+        how = "compiled"
+    if prekey:
+        cache.put_alias(prekey, record)
+    return {**record, "artifact": str(artifact), "how": how}
+
+
 def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
     """The token step of a dynamic prefill: the lcm of the compress ratios (as the static prefill
     buckets are multiples of it) and of the candidate source's ratio times candidate_block_size,
@@ -355,7 +368,7 @@ def _export(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dic
         else parts.steps.decode(pb.batch, pb.capacity)
     mode = backend.lowering()
     exported = export_step(graph, parts.weights, pb.label, backend.input_views, mode,
-                           xla_spelling=backend.xla_spelling)
+                           neuron_spelling=backend.neuron_spelling)
     record = {"weights": list(exported.weights), "inputs": [s.to_dict() for s in exported.inputs],
               "outputs": [s.to_dict() for s in exported.outputs],
               "views": {n: dtype_name(d) for n, d in exported.views.items()},

@@ -13,17 +13,18 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
 from torch.fx.experimental import _config as fx_config
 from torch.overrides import TorchFunctionMode
 
-from dsneuron.kernels_nki.formats import xla_spelling as _xla_spelling
-from dsneuron.runtime_min.schema import TensorSpec, dtype_name
+from dsneuron.kernels_nki.formats import neuron_spelling as _neuron_spelling
+from dsneuron.runtime_min.schema import Prepare, TensorSpec, dtype_name
 
-#: dtypes a float8-free graph (the neuron lowering, `export_step(xla_spelling=True)`) may not hold
+#: dtypes a float8-free graph (the neuron lowering, `export_step(neuron_spelling=True)`) may not hold
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
                  torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 
@@ -179,18 +180,18 @@ def _hint(d: int | torch.SymInt) -> int:
     return d if isinstance(d, int) else int(d.node.hint)
 
 
-def float8_nodes(program: torch.export.ExportedProgram) -> list[str]:
-    """Nodes of `program` whose value, or a dtype argument, is one of FLOAT8_DTYPES, as
-    "name (target, dtype)" in graph order; unused placeholders are not counted."""
+def float8_nodes(program: torch.export.ExportedProgram, dtypes: tuple[torch.dtype, ...] = FLOAT8_DTYPES) -> list[str]:
+    """Nodes of `program` whose value, or a dtype argument, is one of `dtypes` (default
+    FLOAT8_DTYPES), as "name (target, dtype)" in graph order; unused placeholders are not counted."""
     out = []
     for node in program.graph.nodes:
         if node.op == "placeholder" and not node.users:  # the step's own parameters, swapped out by functional_call
             continue
         vals = node.meta.get("val")
         vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-        dtypes = [v.dtype for v in vals if isinstance(v, torch.Tensor)]
-        dtypes += [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.dtype)]
-        bad = [d for d in dtypes if d in FLOAT8_DTYPES]
+        found = [v.dtype for v in vals if isinstance(v, torch.Tensor)]
+        found += [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.dtype)]
+        bad = [d for d in found if d in dtypes]
         if bad:
             out.append(f"{node.name} ({node.target}, {bad[0]})")
     return out
@@ -199,7 +200,7 @@ def float8_nodes(program: torch.export.ExportedProgram) -> list[str]:
 def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
                 input_views: dict[torch.dtype, torch.dtype] | None = None,
                 mode: TorchFunctionMode | None = None, module_order: bool = False,
-                xla_spelling: bool = False) -> ExportedStep:
+                neuron_spelling: bool = False) -> ExportedStep:
     """Export `graph.module` at the static shapes of `graph.inputs` (non-strict torch.export).
 
     what: a label for messages, e.g. "prefill b1 s128".
@@ -207,16 +208,16 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
         (Inductor's cpu codegen has no float8_e8m0fnu): such a weight is passed as a bitcast view
         (zero-copy) and viewed back inside the graph.
     mode: a TorchFunctionMode active while tracing (the target's lowering, compiler/lower.py).
-    xla_spelling: trace under kernels_nki.formats.xla_spelling and leave viewed weights as
+    neuron_spelling: trace under kernels_nki.formats.neuron_spelling and leave viewed weights as
         their bytes (not viewed back), so FP8 data is decoded and rounded with int32/fp32 ops; the
         program is then checked to hold no float8 dtype (`float8_nodes`).
     Raises CompileError when a parameter is not a weight, the outputs do not match `graph.outputs`
-    or, with xla_spelling, a node still has a float8 dtype (naming it).
+    or, with neuron_spelling, a node still has a float8 or float64 dtype (naming it).
     """
     input_views = input_views or {}
     names, groups = bind_weights(graph.module, weights, what, module_order)
     originals = [weights[n].dtype for n in names]
-    dtypes = [d if d in input_views and not xla_spelling else None for d in originals]
+    dtypes = [d if d in input_views and not neuron_spelling else None for d in originals]
     wrapper = _WeightsAsInputs(graph.module, groups, dtypes).eval()
     # a weight with a dynamic dimension is passed as a fresh tensor of its shape: the very tensor the
     # module holds would tie the symbolic size to its static one (export guards storage sizes)
@@ -238,13 +239,18 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     # sizes and so add guards (T != 1) to it
     torch._dynamo.reset()
     with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), quiet_treespec_warning(), \
-            size_oblivious(), (_xla_spelling() if xla_spelling else contextlib.nullcontext()):
+            size_oblivious(), (_neuron_spelling() if neuron_spelling else contextlib.nullcontext()):
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
-    if xla_spelling:
+    if neuron_spelling:
         left = float8_nodes(program)
         if left:
             raise CompileError(f"{what}: the float8-free lowering left {len(left)} node(s) with a float8 dtype, first "
                                f"{left[0]}; spell that cast with kernels_nki.formats e4m3_to_float / e4m3_round")
+        wide = float8_nodes(program, (torch.float64,))
+        if wide:
+            raise CompileError(f"{what}: the neuron lowering left {len(wide)} node(s) with a float64 dtype, first "
+                               f"{wide[0]}; Trainium computes no float64: sum in fp32 under "
+                               "kernels_nki.formats.neuron_spelling")
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     vals = [a.meta["val"] for a in out_node.args[0]]
     if len(vals) != len(graph.outputs):
@@ -253,3 +259,32 @@ def export_step(graph: StepGraph, weights: dict[str, torch.Tensor], what: str,
     outputs = tuple(TensorSpec(n, tuple(_hint(d) for d in v.shape), dtype_name(v.dtype)) for n, v in zip(graph.outputs, vals))
     views = {n: input_views[d] for n, d in zip(names, originals) if d in input_views}
     return ExportedStep(program, names, inputs, outputs, views)
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Everything the pipeline needs from the model side.
+
+    steps: builds the step graph of each bucket (graphs.steps for the real model);
+    weights: {name: tensor} stored in weights.safetensors; the steps' parameters must be these tensors;
+    tokenizer_files: files copied into the bundle's tokenizer/ (tokenizer.json first);
+    host_params: JSON-serialisable host-side preprocessing data, e.g. {"engram": params or None};
+    stored_dtypes: {weight name: dtype} to store narrower than the model holds it (a bf16 checkpoint
+        tensor promoted to fp32 at load, graphs.weights.load_casts); the cast back must be exact,
+        and the runtime re-applies the promotion (Manifest.load_casts).
+    prepare: load-time recipes (runtime_min/schema.py `Prepare`): their inputs are stored in the
+        bundle, their outputs (also in `weights`) are what the executables take and are not stored.
+    sources: {weight name: weight source (graphs/lazy.py)}: where the stored bytes of a weight come
+        from when they are not to be read from its tensor in `weights` (which may then be a
+        placeholder of the model's shape and dtype, never read): a checkpoint file region, a
+        deferred computation. Its shape is the weight's, its dtype the stored one (stored_dtypes,
+        else the weight's); a narrowing source gives the bytes the model's tensor was cast from.
+    """
+
+    steps: StepFactory
+    weights: dict[str, torch.Tensor]
+    tokenizer_files: Sequence[Path]
+    host_params: dict[str, Any]
+    stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    prepare: tuple[Prepare, ...] = ()
+    sources: Mapping[str, Any] = field(default_factory=dict)

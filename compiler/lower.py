@@ -56,6 +56,27 @@ class InlineCustomOps(TorchFunctionMode):
         return out
 
 
+class KernelCalls(InlineCustomOps):
+    """The neuron target's lowering: within this mode a call of an op of `bindings` ({op: binding},
+    kernels_nki/neuron_adapters.py NkiBinding) runs its adapter around the kernel's own custom op
+    (`binding.op`, which stays one graph node: the kernel call), every other custom op with a
+    reference is inlined as in `InlineCustomOps`. `kernels` collects the ops answered by a kernel."""
+
+    def __init__(self, bindings: dict[str, Any]):
+        super().__init__()
+        self.bindings = dict(bindings)
+        self.kernels: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = _custom_name(func)
+        binding = self.bindings.get(name) if name else None
+        if binding is None:
+            return super().__torch_function__(func, types, args, kwargs)
+        self.kernels.add(name)
+        ns, op = binding.op.split("::")
+        return binding.call(getattr(getattr(torch.ops, ns), op), *args, **(kwargs or {}))
+
+
 def _custom_name(func: Any) -> str | None:
     if isinstance(func, torch._ops.OpOverloadPacket):
         ns, name = func._qualified_op_name.split("::")
@@ -93,7 +114,8 @@ def custom_ops_in(program: torch.export.ExportedProgram) -> list[str]:
 def finish(program: torch.export.ExportedProgram, mode: InlineCustomOps, what: str) -> dict[str, str]:
     """After export under `mode`: drop the no-op `_assert_tensor_metadata` nodes non-strict export
     leaves behind (a tenth of the nodes of the V4 steps, and Inductor re-traces every node), and
-    return {op: "inline" | "call"} for every custom op the step used."""
+    return {op: "inline" | "call" | "kernel"} for every custom op the step used ("kernel": answered
+    by its NKI kernel's op under `KernelCalls`, which is then a "call")."""
     graph = program.graph
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
@@ -101,6 +123,7 @@ def finish(program: torch.export.ExportedProgram, mode: InlineCustomOps, what: s
     program.graph_module.recompile()
     calls = custom_ops_in(program)
     modes = {name: "inline" for name in mode.inlined}
+    modes.update({name: "kernel" for name in getattr(mode, "kernels", ())})
     for name in calls:
         if name in mode.inlined and name not in mode.called:
             raise CompileError(f"{what}: custom op {name} is still in the graph after inlining its reference")

@@ -29,7 +29,7 @@ from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare, engram_columns
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
 from .config import CompileConfig
-from .export import CompileError, StageGraph, StepGraph
+from .export import CompileError, ModelParts, StageGraph, StepGraph
 from .parallel import Comm, check_shardable, shard_model
 from .plan import Parallel
 
@@ -145,7 +145,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     weights, and the recipe inputs the models do not hold (the fp32 head and compressors, the bf16
     wo_a), are zero placeholders of their shapes, since the runtime prepares the real ones from the
     stored tensors; the wo_a dequantisation is made per layer while the weights file is written. The
-    neuron models compute (scripts/xla-check runs them eagerly), so there the bf16 -> fp32 casts
+    neuron models compute (the StableHLO checks run them eagerly), so there the bf16 -> fp32 casts
     and the wo_a dequantisation are made here, as before.
 
     par, rank: the parts of rank `rank` of a sharded compile (par.tp > 1, cpu target only): its
@@ -153,8 +153,6 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     weights are its slices of the checkpoint tensors under their checkpoint names, read and
     dequantised here (a rank's share, not lazily). Raises UserError for a plan shard_model refuses.
     """
-    from .compile import ModelParts
-
     path = checkpoint_for(model_cfg, compile_cfg, cache_dir)
     rows = engram_layout(model_cfg).num_embeddings if model_cfg.engram_layer_ids else ()
     mapped = ckpt_io.map_checkpoint(path, model_cfg, rows)

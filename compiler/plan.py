@@ -432,7 +432,7 @@ def _bucket_env(cfg: ModelConfig, b: PlannedBucket):
 
 def _walk(cfg: ModelConfig, max_seq_len: int, b: PlannedBucket, order: str, visit: Callable):
     """Run bucket b's stages in order on fake tensors, in the neuron graphs' spelling
-    (kernels_nki/formats.py xla_spelling); each distinct (kind, input shapes) stage is given to
+    (kernels_nki/formats.py neuron_spelling); each distinct (kind, input shapes) stage is given to
     visit(stage, args, mode) once, which returns its outputs; returns [(stage, key)].
     order "count": "ascending" (no padded GEMM rows) except the attention stages of a prefill whose
     every GEMM has at least MIN_GEMM_ROWS rows, which run "fused" (the same products, one GEMM
@@ -441,7 +441,7 @@ def _walk(cfg: ModelConfig, max_seq_len: int, b: PlannedBucket, order: str, visi
 
     from dsneuron.graphs.quant import MIN_GEMM_ROWS
     from dsneuron.graphs.stages import build_stages, head_position
-    from dsneuron.kernels_nki.formats import xla_spelling
+    from dsneuron.kernels_nki.formats import neuron_spelling
 
     mode, model = _fake_model(cfg, max_seq_len)
     if order == "count":
@@ -455,7 +455,7 @@ def _walk(cfg: ModelConfig, max_seq_len: int, b: PlannedBucket, order: str, visi
         stages = build_stages(model, b.kind, b.batch, b.capacity, order=order)
     done: dict[tuple, tuple] = {}
     seq = []
-    with mode, xla_spelling():
+    with mode, neuron_spelling():
         values, _ = _bucket_env(cfg, b)
         values["last"] = head_position(values)
         for st in stages:

@@ -111,33 +111,10 @@ class StagedCompile:
         global _RUNNING
         _RUNNING = self
         try:
-            total = len(self.tasks)
-            if workers <= 1 or total <= 1:
-                results = []
-                for i in range(total):
-                    results.append(_make(i))
-                    progress(i + 1, total)
-            else:
-                # the block halves first (the largest graphs; a source's attention more than a consumer's)
-                order = sorted(range(total), key=lambda i: (not self.tasks[i].kind.startswith(("attn", "ffn")),
-                                                            -len(self.tasks[i].kind)))
-                ctx = multiprocessing.get_context("fork")
-                pool = concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx,
-                                                              initializer=_worker_init)
-                try:
-                    futures = {pool.submit(_make, i): i for i in order}
-                    results = [None] * total
-                    for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
-                        results[futures[f]] = f.result()
-                        progress(done, total)
-                except BaseException:
-                    # Ctrl-C, SIGTERM or a failed task: stop the workers now instead of letting
-                    # the pool finish (or hang on) its queue
-                    for proc in list((pool._processes or {}).values()):
-                        proc.terminate()
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
-                pool.shutdown()
+            # the block halves first (the largest graphs; a source's attention more than a consumer's)
+            order = sorted(range(len(self.tasks)), key=lambda i: (not self.tasks[i].kind.startswith(("attn", "ffn")),
+                                                                  -len(self.tasks[i].kind)))
+            results = run_forked(len(self.tasks), _make, workers, progress, order)
         finally:
             _RUNNING = None
         for task, res in zip(self.tasks, results):
@@ -175,6 +152,48 @@ class StagedCompile:
 
 #: the StagedCompile whose tasks are running, read by the forked workers
 _RUNNING: StagedCompile | None = None
+#: the task function of the running `run_forked`, read by its forked workers
+_TASK: Callable[[int], Any] | None = None
+
+
+def run_forked(total: int, task: Callable[[int], Any], workers: int, progress: Callable[[int, int], None],
+               order: list[int] | None = None) -> list[Any]:
+    """[task(0), ..., task(total - 1)], made by `workers` forked processes (in this process with
+    one worker or one task), started in `order` (default ascending); calls progress(done, total)
+    as they finish. Forked, not spawned: the workers inherit everything in memory, the model
+    included, and run torch single-threaded (`_worker_init`). Raises what a task raises, after
+    stopping the other workers."""
+    global _TASK
+    if workers <= 1 or total <= 1:
+        results = []
+        for i in range(total):
+            results.append(task(i))
+            progress(i + 1, total)
+        return results
+    _TASK = task
+    ctx = multiprocessing.get_context("fork")
+    pool = concurrent.futures.ProcessPoolExecutor(min(workers, total), mp_context=ctx, initializer=_worker_init)
+    try:
+        futures = {pool.submit(_run_task, i): i for i in (order or range(total))}
+        results = [None] * total
+        for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
+            results[futures[f]] = f.result()
+            progress(done, total)
+    except BaseException:
+        # Ctrl-C, SIGTERM or a failed task: stop the workers now instead of letting the pool
+        # finish (or hang on) its queue
+        for proc in list((pool._processes or {}).values()):
+            proc.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        _TASK = None
+    pool.shutdown()
+    return results
+
+
+def _run_task(i: int) -> Any:
+    return _TASK(i)
 
 
 def _worker_init() -> None:

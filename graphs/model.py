@@ -68,7 +68,7 @@ from torch._higher_order_ops.while_loop import while_loop
 from torch import nn
 
 import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
-from dsneuron.kernels_nki.formats import SPELLING, as_uint8, copysign, e4m3_to_float, ue8m0_to_float
+from dsneuron.kernels_nki.formats import SPELLING, as_uint8, e4m3_to_float, ue8m0_to_float
 from dsneuron.kernels_nki.rms_norm import mean_square, rms_norm
 
 from .config import INDEXER_MODES, ModelConfig
@@ -459,7 +459,7 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
         return i + 1, c / (c.sum(dim=-2, keepdim=True) + eps)
 
-    if SPELLING.xla:  # torch-xla runs the loop op eagerly, reading the condition on the host every round
+    if SPELLING.neuron:  # torch-mlir lowers no loop op to StableHLO (torch.prim.Loop): unrolled
         for i in range(iters - 1):
             _, comb = normalise(i, comb)
         return pre, post, comb
@@ -1090,7 +1090,7 @@ class Engram(nn.Module):
         # normalised per (token, hc copy) over D, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
         dot = (hf * weight * key).sum(-1) * rstd * D ** -0.5
-        gate = torch.sigmoid(copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 

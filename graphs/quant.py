@@ -38,9 +38,7 @@ import torch
 from dsneuron.kernels_nki.formats import (
     E2M1_MAX,
     E4M3_MAX,
-    SPELLING,
     as_uint8,
-    copysign,
     e4m3_round,
     e4m3_to_bytes,
     e4m3_to_float,
@@ -48,8 +46,6 @@ from dsneuron.kernels_nki.formats import (
     fp4_codes_to_float,
     pack_fp4,
     pack_fp4_bytes,
-    pow2,
-    signbit,
     ue8m0_to_bytes,
     ue8m0_to_float,
     unpack_fp4,
@@ -132,22 +128,7 @@ def ue8m0_scale(ratio: torch.Tensor) -> torch.Tensor:
     """
     if ratio.dtype != torch.float32:
         raise ValueError(f"ue8m0_scale: ratio must be float32, got {ratio.dtype}")
-    if SPELLING.xla:
-        return _ue8m0_scale_arith(ratio)
     return (_ue8m0_exponent(ratio) << 23).view(torch.float32)
-
-
-def _ue8m0_scale_arith(ratio: torch.Tensor) -> torch.Tensor:
-    """`ue8m0_scale` without bit views (kernels_nki.formats.xla_spelling): e = ceil(log2|r|)
-    clamped to [-126, 127], then corrected by exact comparisons with `pow2` (a log2 a few ulps off
-    can put ceil one step off next to a power of two): down while 2^(e-1) >= |r|, up while
-    2^e < |r|. NaN gives 2^127 as the bit version's clamp does."""
-    r = ratio.abs()
-    e = torch.ceil(torch.log2(r)).clamp(-126, 127)
-    e = torch.where(r.isnan(), 127.0, e).to(torch.int32)
-    e = torch.where((e > -126) & (pow2((e - 1).clamp_min(-126)) >= r), e - 1, e)
-    e = torch.where((e < 127) & (pow2(e) < r), e + 1, e)
-    return pow2(e)
 
 
 def _fp8_block_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -171,7 +152,7 @@ def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
 
 def act_quant_values(x: torch.Tensor, block: int = 32, fn: str = "act_quant_values") -> tuple[torch.Tensor, torch.Tensor]:
     """`act_quant` with q as its fp32 values (the e4m3 grid), which is what every GEMM input and
-    QDQ uses: under kernels_nki.formats.xla_spelling the rounding is int32/fp32 arithmetic, so
+    QDQ uses: under kernels_nki.formats.neuron_spelling the rounding is int32/fp32 arithmetic, so
     the graph holds no float8 dtype. Returns (q fp32 [..., K], s fp32 [..., K/block])."""
     _check_blocks(x, block, fn)
     xb = _as_fp32(x, fn).unflatten(-1, (-1, block))
@@ -218,14 +199,14 @@ def _e2m1_round(v: torch.Tensor) -> torch.Tensor:
     """
     a = v.abs()
     r = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return copysign(r, v)
+    return torch.copysign(r, v)
 
 
 def _e2m1_encode(r: torch.Tensor) -> torch.Tensor:
     """Exact e2m1 values (signed, -0.0 included) -> codes uint8 (bit 3 = sign)."""
     a = r.abs()
     magnitude = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4))
-    return (magnitude + 8 * signbit(r)).to(torch.uint8)
+    return (magnitude + 8 * torch.signbit(r)).to(torch.uint8)
 
 
 def fp4_quantize(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,8 +251,7 @@ def fp4_operand_bytes(v: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, t
     even element in the low nibble; UE8M0 exponent bytes uint8 [..., K/block]) that decode to v
     exactly, -0.0 included: `fp4_quantize` is idempotent on its own output, since amax * fp32(1/6)
     of a QDQ'd block rounds to the block's own power of two (tests/test_indexer_kernel.py checks
-    every code at every scale). The byte is the scale's biased exponent, log2 of an exact power of
-    two, rounded (no bit view, so the xla spelling runs it too).
+    every code at every scale). The byte is the scale's biased exponent field.
     Raises ValueError as `fp4_quantize`.
     Source: the operand format of DeepGEMM fp8_fp4_mqa_logits (seeds/003, module docstring).
     """

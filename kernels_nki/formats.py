@@ -23,83 +23,63 @@ E4M3_MAX = 448.0
 
 
 class _Spelling:
-    """How graphs spell the ops that the neuron target's XLA bridge cannot run on the device:
-    torch's float8 casts, bit views (`view(dtype)`) and copysign (`xla` False: the cpu target and
-    the eager golden), or integer and fp32 arithmetic on the bytes (`xla` True, inside
-    `xla_spelling`: the neuron target). torch-xla 2.9 has no float8 types and runs
-    `view_copy.dtype`, `signbit` and `copysign` on the host, which executes the graph so far and
-    cuts it; trn1/trn2 have no OCP e4m3fn either. Both spellings give the same values
-    (tests/test_quant.py checks every byte and every bf16 pattern)."""
+    """How graphs spell the ops that the neuron target cannot take: torch's float8 casts and float64
+    arithmetic (`neuron` False: the cpu target and the eager golden), or integer, bit-view and fp32
+    arithmetic on the bytes (`neuron` True, inside `neuron_spelling`: the neuron target's StableHLO).
+    trn1/trn2 have no OCP e4m3fn (neuronx-cc NCC_EVRF051) and Trainium's engines no fp64, so a
+    neuron graph holds neither; bit views are plain `stablehlo.bitcast_convert`s. Both spellings
+    give the same codec and rounding values (tests/test_quant.py checks every byte and every bf16
+    pattern); where a float64 sum becomes an fp32 one (the indexer's bf16 scores, the sparse
+    attention reference) the deviation is named at that function."""
 
-    xla: bool = False
+    neuron: bool = False
 
 
 SPELLING = _Spelling()
 
 
 @contextlib.contextmanager
-def xla_spelling() -> Iterator[None]:
-    """Within this context `e4m3_to_float`, `e4m3_round`, `ue8m0_to_float`, `as_uint8`, `pow2` users,
-    `signbit` and `copysign` use integer/fp32 arithmetic and take FP8 data as uint8 bytes, so a traced graph
-    holds no float8 dtype and no bit view."""
-    prev = SPELLING.xla
-    SPELLING.xla = True
+def neuron_spelling() -> Iterator[None]:
+    """Within this context `e4m3_to_float`, `e4m3_round` and `e4m3_to_bytes` take FP8 data as uint8
+    bytes and work on integer and fp32 bit patterns, and the references that sum in float64 sum in
+    fp32, so a traced graph holds no float8 and no float64 dtype."""
+    prev = SPELLING.neuron
+    SPELLING.neuron = True
     try:
         yield
     finally:
-        SPELLING.xla = prev
+        SPELLING.neuron = prev
 
 
 _E4M3_SUBNORMAL_STEP = 2.0**-9
-#: 2^e for e = -126..127 (all fp32 normals), indexed by e + 126 (`pow2`)
-_POW2 = tuple(2.0**e for e in range(-126, 128))
+#: smallest normal e4m3 magnitude: below it the quantum is the fixed subnormal step
+_E4M3_MIN_NORMAL = 2.0**-6
 
 
 def as_uint8(t: torch.Tensor) -> torch.Tensor:
-    """One-byte data [...] (uint8, int8 or a float8/float4 dtype) as its uint8 bytes [...]. Under
-    `xla_spelling` an int8 tensor is masked (`& 0xFF`) instead of bit-viewed: torch-xla 2.9 runs
-    `view(dtype)` on the host (aten::view_copy.dtype is a CPU fallback, which cuts the graph)."""
-    if t.dtype == torch.uint8:
-        return t
-    if SPELLING.xla and t.dtype == torch.int8:
-        return (t.to(torch.int32) & 0xFF).to(torch.uint8)
-    return t.view(torch.uint8)
+    """One-byte data [...] (uint8, int8 or a float8/float4 dtype) as its uint8 bytes [...] (a bit
+    view, no copy)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
 def pow2(e: torch.Tensor) -> torch.Tensor:
-    """2^e as fp32 [...] for integer e in [-126, 127] (int32 [...]), exactly: one gather from the
-    table of the 254 normal powers of two (no bit view, see `as_uint8`; no pow, whose device
-    implementation need not be exact)."""
-    table = torch.tensor(_POW2, dtype=torch.float32, device=e.device)
-    return table[(e + 126).long()]
-
-
-def signbit(x: torch.Tensor) -> torch.Tensor:
-    """torch.signbit(x) (bool [...]); under `xla_spelling` as x < 0 or x == -0.0 (1/x = -inf),
-    which XLA runs on the device. NaN signs are not distinguished there."""
-    if not SPELLING.xla:
-        return torch.signbit(x)
-    return (x < 0) | ((x == 0) & (1.0 / x < 0))
-
-
-def copysign(mag: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """torch.copysign(mag, sign) for mag >= 0; under `xla_spelling` a select on `signbit`."""
-    if not SPELLING.xla:
-        return torch.copysign(mag, sign)
-    return torch.where(signbit(sign), -mag, mag)
+    """2^e as fp32 [...] for integer e in [-126, 127] (int32 [...]), exactly: the fp32 bit pattern
+    with biased exponent e + 127 and a zero mantissa (no table, no pow, whose device implementation
+    need not be exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
     """FP8 e4m3fn data [...] (float8_e4m3fn, or its bytes as uint8) -> fp32 [...], exact.
 
-    Under `xla_spelling` the bytes are decoded from their bit fields with integer ops and one
+    Under `neuron_spelling` the bytes are decoded from their bit fields with integer ops and one
     exact int -> fp32 conversion: sign, 4-bit exponent e (bias 7), 3-bit mantissa m; the value is
     (8 + m) * 2^(e - 10) for e > 0 and m * 2^-9 for e = 0 (subnormal); S.1111.111 is NaN.
     Raises ValueError for another dtype. Source: OCP 8-bit floating point spec v1.0 (E4M3).
     """
     if x.dtype not in (torch.float8_e4m3fn, torch.uint8):
         raise ValueError(f"e4m3_to_float: expected float8_e4m3fn or uint8 bytes, got {x.dtype}")
-    if not SPELLING.xla:
+    if not SPELLING.neuron:
         return (x.view(torch.float8_e4m3fn) if x.dtype == torch.uint8 else x).float()
     b = as_uint8(x).to(torch.int32)
     exp, mant = (b >> 3) & 0xF, b & 0x7
@@ -114,57 +94,50 @@ def e4m3_to_float(x: torch.Tensor) -> torch.Tensor:
 def e4m3_to_bytes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values on the e4m3fn grid [...] (|x| <= 448, or NaN) -> their e4m3fn bytes uint8 [...].
 
-    A codec, not a quantizer: the values are already rounded (`e4m3_round`). Under `xla_spelling`
-    the bit fields are built with exact fp32/int arithmetic: below 2^-6 the subnormal code
-    |x| * 2^9, above it exponent field k + 7 and mantissa |x| / 2^(k-3) - 8 for the binade
-    2^k <= |x| < 2^(k+1); bit 7 is the sign (-0.0 gives 0x80), NaN gives 0x7F.
+    A codec, not a quantizer: the values are already rounded (`e4m3_round`). Under
+    `neuron_spelling` the fields come from the fp32 bit pattern: from 2^-6 up, exponent field =
+    fp32 biased exponent - 120 and mantissa = the top 3 fp32 mantissa bits; below it the subnormal
+    code |x| * 2^9 (exact); bit 7 is the sign (-0.0 gives 0x80), NaN gives 0x7F.
     Raises ValueError unless x is fp32. Source: OCP 8-bit floating point spec v1.0 (E4M3).
     """
     if x.dtype != torch.float32:
         raise ValueError(f"e4m3_to_bytes: expected float32, got {x.dtype}")
-    if not SPELLING.xla:
+    if not SPELLING.neuron:
         return x.to(torch.float8_e4m3fn).view(torch.uint8)
+    bits = x.view(torch.int32)
     mag = x.abs()
-    k = _e4m3_binade(mag)
-    normal = ((k + 7) << 3) + (mag / pow2(k - 3)).to(torch.int32) - 8
-    code = torch.where(mag < 2.0**-6, (mag * 512.0).to(torch.int32), normal)
+    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 0x7)
+    code = torch.where(mag < _E4M3_MIN_NORMAL, (mag * 512.0).to(torch.int32), normal)
     code = torch.where(mag.isnan(), 0x7F, code)
-    return (code + 0x80 * signbit(x).to(torch.int32)).to(torch.uint8)
+    return (code | ((bits >> 24) & 0x80)).to(torch.uint8)
 
 
 def ue8m0_to_bytes(scale: torch.Tensor) -> torch.Tensor:
     """Exact powers of two fp32 [...] in [2^-126, 2^127] -> their UE8M0 exponent bytes uint8 [...]
-    (log2 of an exact power of two, rounded: no bit view, so the xla spelling runs it too)."""
-    return (torch.log2(scale).round().to(torch.int32) + 127).to(torch.uint8)
-
-
-def _e4m3_binade(mag: torch.Tensor) -> torch.Tensor:
-    """int32 k = floor(log2 mag) for mag fp32 >= 0, held in the e4m3 range [-6, 8] (below 2^-6 the
-    subnormal quantum 2^-9 applies; NaN gives 8), corrected by exact comparisons with `pow2`
-    (log2 may be an ulp off next to a power of two)."""
-    k = torch.floor(torch.log2(mag)).clamp(-6, 8)
-    k = torch.where(mag.isnan(), 8.0, k).to(torch.int32)
-    k = torch.where((k > -6) & (pow2(k) > mag), k - 1, k)
-    return torch.where((k < 8) & (pow2(k + 1) <= mag), k + 1, k)
+    (the fp32 biased exponent field)."""
+    return ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
 
 
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 [...] with |x| <= 448 (or NaN) -> fp32 [...] on the e4m3fn grid, round to nearest, ties
     to even: `x.to(float8_e4m3fn).float()`.
 
-    Under `xla_spelling`, in fp32 arithmetic without bit views: the quantum q of |x|'s binade
-    (2^(k-3) in [2^k, 2^(k+1)) for k = -6..8, the subnormal step 2^-9 below 2^-6) comes from
-    log2 corrected by exact comparisons with `pow2`, then round-half-even(x / q) * q, where both
-    scalings are exact. The sign is kept (-0.0 stays -0.0); NaN stays NaN (its payload may
-    differ). Callers clamp first (`graphs.quant.e4m3_rne`), so no overflow rule is needed.
+    Under `neuron_spelling`, on the fp32 bit pattern: from 2^-6 up, the 20 mantissa bits e4m3 does
+    not keep are rounded half to even by adding 0x7FFFF plus the lowest kept bit and masking them
+    off (a carry moves into the exponent, as it should); below 2^-6 the fixed quantum 2^-9:
+    round-half-even(x * 2^9) * 2^-9, both scalings exact. The sign is kept (-0.0 stays -0.0); NaN
+    stays NaN. Callers clamp first (`graphs.quant.e4m3_rne`), so no overflow rule is needed.
     Raises ValueError unless x is fp32.
     """
     if x.dtype != torch.float32:
         raise ValueError(f"e4m3_round: expected float32, got {x.dtype}")
-    if not SPELLING.xla:
+    if not SPELLING.neuron:
         return x.to(torch.float8_e4m3fn).float()
-    quantum = pow2(_e4m3_binade(x.abs()) - 3)
-    return torch.round(x / quantum) * quantum
+    bits = x.view(torch.int32)
+    kept = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -0x100000).view(torch.float32)
+    sub = torch.round(x * 512.0) * _E4M3_SUBNORMAL_STEP
+    out = torch.where(x.abs() < _E4M3_MIN_NORMAL, sub, kept)
+    return torch.where(x.isnan(), x, out)
 
 
 def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
@@ -176,7 +149,7 @@ def pack_fp4_bytes(codes: torch.Tensor) -> torch.Tensor:
     """Pack e2m1 codes [..., K] (integer dtype, values 0..15, K even) into uint8 [..., K/2].
 
     Byte i holds code 2i in its low nibble and code 2i+1 in its high nibble. No bit view, so it
-    runs under the xla spelling too. Raises ValueError when K is odd.
+    runs in both spellings. Raises ValueError when K is odd.
     """
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4: last dim must be even, got {codes.shape[-1]}")
@@ -211,10 +184,7 @@ def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
         raise ValueError(f"ue8m0_to_float: expected float8_e8m0fnu or uint8, got {scale.dtype}")
     scale = as_uint8(scale)
-    if SPELLING.xla:  # no bit view (see `as_uint8`): 2^(byte - 127) built by `pow2`
-        out = pow2((scale.to(torch.int32) - 127).clamp(-126, 127))  # bytes 0 and 255: fixed below
-    else:
-        out = (scale.to(torch.int32) << 23).view(torch.float32)
+    out = (scale.to(torch.int32) << 23).view(torch.float32)
     # byte 0 would be the denormal 2^-127, which a zero mantissa cannot spell; 255 is e8m0's NaN
     out = torch.where(scale == 0, torch.full_like(out, 2.0 ** -127), out)
     return torch.where(scale == 255, torch.full_like(out, math.nan), out)

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from dsneuron.kernels_nki.formats import (PACKED_FP4_DTYPES, SCALE_BLOCK, dequantize_e2m1, dequantize_e4m3, e4m3_to_float,
-                                         ue8m0_to_float, xla_spelling)
+from dsneuron.kernels_nki.formats import (PACKED_FP4_DTYPES, SCALE_BLOCK, SPELLING, dequantize_e2m1, dequantize_e4m3,
+                                         e4m3_to_float, ue8m0_to_float)
 
 #: Logits rows start on 512-byte boundaries (the seed's get_logits_stride): 256 bf16 columns.
 ROW_ALIGN_ELEMS = 512 // torch.bfloat16.itemsize
@@ -74,8 +74,10 @@ def mqa_logits_bf16_ref(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> to
     check_mqa_logits_bf16_args(q, k, w)
     # the dot products in float64 (exact), rounded to fp32 and then bf16: what a bf16 GEMM with
     # fp32 accumulation gives when its fp32 sum is exact, as it is on FP4-QDQ'd operands, without
-    # depending on which bf16 GEMM kernel the host's library picks
-    score = torch.einsum("bshd,btd->bsht", q.double(), k.double()).float().to(torch.bfloat16)
+    # depending on which bf16 GEMM kernel the host's library picks. The neuron spelling sums in
+    # fp32 (Trainium has no fp64; its matmul accumulates in fp32): the same bits while that sum is exact
+    wide = torch.float32 if SPELLING.neuron else torch.float64
+    score = torch.einsum("bshd,btd->bsht", q.to(wide), k.to(wide)).float().to(torch.bfloat16)
     return (score.relu() * w.unsqueeze(-1)).sum(dim=2)
 
 
@@ -234,15 +236,25 @@ def mqa_logits_kernel_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor,
                           fmt: str) -> torch.Tensor:
     """`mqa_logits_ref` in the calling convention of `mqa_logits_nki.mqa_logits_kernel`: operands as
     bytes (q, kv uint8 e4m3fn codes for fmt "fp8" or packed e2m1 for "fp4"; scales uint8 UE8M0
-    exponents), the same bf16 [S, max_seqlen_k] logits on the operands' device. For the XLA check
-    (compiler/xla_check.py REFERENCE_KERNELS), where it takes the kernel's place behind the real
-    adapter; the ranges are not value-checked (that would be a host sync), as in the kernel.
-    Raises ValueError for a fmt other than "fp8" / "fp4"."""
-    with xla_spelling():  # it runs on the XLA device: no bit views (a host fallback there)
-        return _kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt)
+    exponents) -> the kernel's whole output, bf16 [S, stride] with stride = max_seqlen_k rounded up
+    to 256 columns (512-byte rows; the columns past max_seqlen_k are 0). It is the decomposition of
+    the kernel's StableHLO composite (compiler/stablehlo.py); the ranges are not value-checked
+    (that would be a host sync), as in the kernel. Raises ValueError for a fmt other than "fp8" / "fp4"."""
+    keys = ks.long().unsqueeze(1) + torch.arange(max_seqlen_k, dtype=torch.int64, device=ks.device)
+    return _kernel_logits(q, q_sf, kv, kv_sf, weights, keys, keys < ke.long().unsqueeze(1), fmt, "mqa_logits_kernel_ref")
 
 
-def _kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt):
+def mqa_logits_sparse_kernel_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                                 weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_idx: torch.Tensor,
+                                 block_size: int, fmt: str) -> torch.Tensor:
+    """`mqa_logits_sparse_ref` in the calling convention of `mqa_logits_nki.mqa_logits_sparse_kernel`
+    (operands as bytes, as `mqa_logits_kernel_ref`) -> bf16 [S, stride] for NB * block_size
+    columns. Raises ValueError for a fmt other than "fp8" / "fp4"."""
+    keys, valid = _block_keys(ks, ke, block_idx, block_size)
+    return _kernel_logits(q, q_sf, kv, kv_sf, weights, keys, valid, fmt, "mqa_logits_sparse_kernel_ref")
+
+
+def _kernel_logits(q, q_sf, kv, kv_sf, weights, keys, valid, fmt, what):
     if fmt == "fp8":
         qf = e4m3_to_float(q).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(q_sf).unsqueeze(-1)
         kf = e4m3_to_float(kv).unflatten(-1, (-1, SCALE_BLOCK)) * ue8m0_to_float(kv_sf).unsqueeze(-1)
@@ -250,12 +262,23 @@ def _kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt):
     elif fmt == "fp4":
         qf, kf = dequantize_e2m1(q, q_sf), dequantize_e2m1(kv, kv_sf)
     else:
-        raise ValueError(f"mqa_logits_kernel_ref: fmt must be fp8 or fp4, got {fmt!r}")
-    keys = ks.long().unsqueeze(1) + torch.arange(max_seqlen_k, dtype=torch.int64, device=ks.device)
-    valid = keys < ke.long().unsqueeze(1)
+        raise ValueError(f"{what}: fmt must be fp8 or fp4, got {fmt!r}")
     logits = _score_rows(qf, kf, weights.float(), keys.clamp(0, max(kv.shape[0] - 1, 0)), valid)
-    (_, width), (stride, _) = logits_layout(q.shape[0], max_seqlen_k)
-    return torch.nn.functional.pad(logits, (0, stride - width))[:, :width]
+    (_, width), (stride, _) = logits_layout(q.shape[0], keys.shape[1])
+    return torch.nn.functional.pad(logits, (0, stride - width))
+
+
+def _block_keys(ks: torch.Tensor, ke: torch.Tensor, block_idx: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys int64 [S, NB*B], valid bool [S, NB*B]) of the sparse variants: column b*B + o of row s
+    is key block_idx[s, b] * B + ks[s] % B + o, valid where the block is not empty (>= 0) and the key
+    lies in [ks[s], ke[s])."""
+    n_blocks = block_idx.shape[1]
+    ks64, ke64 = ks.long().unsqueeze(1), ke.long().unsqueeze(1)
+    blocks = block_idx.long().repeat_interleave(block_size, dim=1)
+    offset = torch.arange(block_size, dtype=torch.int64, device=ks.device).repeat(n_blocks)
+    keys = blocks * block_size + ks64 % block_size + offset
+    return keys, (blocks >= 0) & (keys >= ks64) & (keys < ke64)
 
 
 def mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
@@ -281,12 +304,7 @@ def mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor,
     check_mqa_operands("mqa_logits_sparse", q, q_sf, kv, kv_sf, weights, ks, ke)
     check_mqa_logits_sparse_extra(block_idx, block_size, q.shape[0])
     check_ranges("mqa_logits_sparse", ks, ke, kv.shape[0])
-    n_blocks = block_idx.shape[1]
-    ks64, ke64 = ks.long().unsqueeze(1), ke.long().unsqueeze(1)
-    blocks = block_idx.long().repeat_interleave(block_size, dim=1)
-    offset = torch.arange(block_size, dtype=torch.int64).repeat(n_blocks)
-    keys = blocks * block_size + ks64 % block_size + offset
-    valid = (blocks >= 0) & (keys >= ks64) & (keys < ke64)
+    keys, valid = _block_keys(ks, ke, block_idx, block_size)
     return _logits_at(q, q_sf, kv, kv_sf, weights, keys, valid)
 
 

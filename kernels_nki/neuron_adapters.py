@@ -16,7 +16,12 @@ torch ops that trace on the XLA device like the rest of the step:
   column: the adapter returns the empty result itself.
 
 `BINDINGS` is the neuron lowering's table (compiler/backend_neuron.py NKI_KERNELS). A kernel is named
-by "module:function" and imported only when the lowering calls it (its module imports `nki`).
+by "module:function" and imported only where the `nki` package is (its module imports `nki`).
+In the exported neuron graph the kernel call is a custom op of its own, `dsneuron::nki_<kernel>`,
+taking exactly the kernel's arguments (the adapter's work around it is ordinary graph ops): its
+torch reference in that calling convention is the decomposition of the StableHLO composite that
+compiler/stablehlo.py makes of it, and its name and constant arguments are the composite's
+attributes, from which a trn host binds the NKI kernel (compiler/backend_neuron.py).
 NOT RUN ON HARDWARE: tested on CPU against the NumPy stand-in of `nki` (tests/test_neuron_target.py).
 """
 
@@ -28,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from dsneuron.kernels_nki import mqa_logits_ref as _mqa
-from dsneuron.kernels_nki.sparse_attn_ref import BLOCK_KEYS
+from dsneuron.kernels_nki.sparse_attn_ref import BLOCK_KEYS, sparse_attn_ref
 
 #: Slot value of an empty index (the op's contract: anything outside [0, N) is empty).
 EMPTY_SLOT = -1
@@ -40,11 +45,15 @@ class NkiBinding:
 
     kernel: "module:function" of the `@nki.jit` kernel.
     call: call(kernel, *op_args) -> the op's result; `kernel` is the imported (and, with LNC > 1,
-        grid-launched) kernel, `op_args` the op's arguments in schema order.
+        grid-launched) kernel, or the kernel's custom op `op`, `op_args` the op's arguments in
+        schema order.
+    op: "dsneuron::nki_<kernel>", the custom op that stands for one call of the kernel in an
+        exported graph (its arguments are the kernel's).
     """
 
     kernel: str
     call: Callable[..., torch.Tensor]
+    op: str = ""
 
 
 def call_sparse_attn(kernel: Any, q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -89,8 +98,6 @@ def call_mqa_logits_sparse(kernel: Any, q: torch.Tensor, q_sf: torch.Tensor, kv:
 
 
 def _as_bytes(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    # operands already in bytes (the indexer's, under the xla spelling) are passed as they are: a
-    # dtype view, even to the same dtype, is an op torch-xla runs on the host
     return [t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in tensors]
 
 
@@ -103,9 +110,56 @@ def _empty_logits(q: torch.Tensor, cols: int) -> torch.Tensor:
     return q.new_empty_strided(shape, stride, dtype=torch.bfloat16)
 
 
+# ------------------------------------------------------------------ the kernel calls as custom ops
+@torch.library.custom_op("dsneuron::nki_sparse_attn", mutates_args=(), device_types="cpu")
+def nki_sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One call of `sparse_attn_nki.sparse_attn_kernel`: q [B,S,H,D] bf16, kv [B,N,D] bf16, sink [H]
+    fp32, idx [B,S,K'] int32 with K' a positive multiple of 64 (-1 = empty), scale -> bf16
+    [B,S,H,D]. Reference: `sparse_attn_ref` (the padding slots add nothing)."""
+    return sparse_attn_ref(q, kv, sink, idx, scale)
+
+
+@nki_sparse_attn.register_fake
+def _nki_sparse_attn_fake(q, kv, sink, idx, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dsneuron::nki_mqa_logits", mutates_args=(), device_types="cpu")
+def nki_mqa_logits(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor, weights: torch.Tensor,
+                   ks: torch.Tensor, ke: torch.Tensor, max_seqlen_k: int, fmt: str) -> torch.Tensor:
+    """One call of `mqa_logits_nki.mqa_logits_kernel`: operands as bytes (uint8), fmt "fp8" | "fp4" ->
+    bf16 [S, stride], stride = max_seqlen_k rounded up to 256. Reference: `mqa_logits_kernel_ref`."""
+    return _mqa.mqa_logits_kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt)
+
+
+@nki_mqa_logits.register_fake
+def _nki_mqa_logits_fake(q, q_sf, kv, kv_sf, weights, ks, ke, max_seqlen_k, fmt):
+    (rows, _), (stride, _) = _mqa.logits_layout(q.shape[0], max_seqlen_k)
+    return q.new_empty((rows, stride), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("dsneuron::nki_mqa_logits_sparse", mutates_args=(), device_types="cpu")
+def nki_mqa_logits_sparse(q: torch.Tensor, q_sf: torch.Tensor, kv: torch.Tensor, kv_sf: torch.Tensor,
+                          weights: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_idx: torch.Tensor,
+                          block_size: int, fmt: str) -> torch.Tensor:
+    """One call of `mqa_logits_nki.mqa_logits_sparse_kernel`: as `nki_mqa_logits` with block_idx
+    int32 [S, NB] -> bf16 [S, stride] for NB * block_size columns. Reference:
+    `mqa_logits_sparse_kernel_ref`."""
+    return _mqa.mqa_logits_sparse_kernel_ref(q, q_sf, kv, kv_sf, weights, ks, ke, block_idx, block_size, fmt)
+
+
+@nki_mqa_logits_sparse.register_fake
+def _nki_mqa_logits_sparse_fake(q, q_sf, kv, kv_sf, weights, ks, ke, block_idx, block_size, fmt):
+    (rows, _), (stride, _) = _mqa.logits_layout(q.shape[0], block_idx.shape[1] * block_size)
+    return q.new_empty((rows, stride), dtype=torch.bfloat16)
+
+
 BINDINGS: dict[str, NkiBinding] = {
-    "dsneuron::sparse_attn": NkiBinding("dsneuron.kernels_nki.sparse_attn_nki:sparse_attn_kernel", call_sparse_attn),
-    "dsneuron::mqa_logits": NkiBinding("dsneuron.kernels_nki.mqa_logits_nki:mqa_logits_kernel", call_mqa_logits),
+    "dsneuron::sparse_attn": NkiBinding("dsneuron.kernels_nki.sparse_attn_nki:sparse_attn_kernel", call_sparse_attn,
+                                        "dsneuron::nki_sparse_attn"),
+    "dsneuron::mqa_logits": NkiBinding("dsneuron.kernels_nki.mqa_logits_nki:mqa_logits_kernel", call_mqa_logits,
+                                       "dsneuron::nki_mqa_logits"),
     "dsneuron::mqa_logits_sparse": NkiBinding("dsneuron.kernels_nki.mqa_logits_nki:mqa_logits_sparse_kernel",
-                                              call_mqa_logits_sparse),
+                                              call_mqa_logits_sparse, "dsneuron::nki_mqa_logits_sparse"),
 }

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from dsneuron.kernels_nki.formats import SPELLING
+
 #: Keys per online-softmax step, in index order: the V4.1 kernel's block, and FlashMLA's sm90
 #: sparse-decode TOPK_BLOCK_SIZE (kernel_numerics.md A.3).
 BLOCK_KEYS = 64
@@ -121,12 +123,14 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
     topk = flat_idx.shape[1]
     # float64 GEMMs: the operands are bf16 values, so every product is exact and the float64 sums
     # are exact too (see the module docstring); fp32 bmm would sum in an order the BLAS picks, and
-    # MKL takes another entry point for one matrix than for a batch of them
-    kvg = table.index_select(0, flat_idx.reshape(-1)).view(rows, topk, dim).double()  # exact upcast
-    logits = torch.bmm(qf.double(), kvg.transpose(1, 2)).float() * scale
+    # MKL takes another entry point for one matrix than for a batch of them. The neuron spelling
+    # (the kernel's StableHLO decomposition) sums in fp32, as the NKI kernel's PSUM does: Trainium
+    # has no fp64, and the fp32 sum of exact products is within one fp32 rounding per add
+    wide = torch.float32 if SPELLING.neuron else torch.float64
+    kvg = table.index_select(0, flat_idx.reshape(-1)).view(rows, topk, dim).to(wide)  # exact upcast
+    logits = torch.bmm(qf.to(wide), kvg.transpose(1, 2)).float() * scale
     logits = logits.masked_fill(~valid.unsqueeze(1), -math.inf)
 
-    # on qf's device: the XLA check runs this reference on the XLA device in place of the kernel
     m = torch.full((rows, n_heads), M_INIT, dtype=torch.float32, device=qf.device)
     denom = torch.zeros(rows, n_heads, dtype=torch.float32, device=qf.device)
     acc = torch.zeros(rows, n_heads, dim, dtype=torch.float32, device=qf.device)
@@ -137,9 +141,9 @@ def _attend(qf: torch.Tensor, table: torch.Tensor, flat_idx: torch.Tensor, valid
         p = torch.exp(s - m_new.unsqueeze(-1))  # empty slots: exp(-inf) = 0, m_new stays finite
         # the block's sum of P in float64, rounded once: the same whatever position each key has
         # in the block (the reference's prefill and decode lists place the keys differently)
-        denom = denom * alpha + p.double().sum(dim=-1).float()
+        denom = denom * alpha + p.to(wide).sum(dim=-1).float()
         # the kernel feeds P to the PV matmul as bf16; the denominator keeps the fp32 P
-        pv = torch.bmm(p.to(torch.bfloat16).double(), kvg[:, j0:j0 + BLOCK_KEYS]).float()
+        pv = torch.bmm(p.to(torch.bfloat16).to(wide), kvg[:, j0:j0 + BLOCK_KEYS]).float()
         acc = acc * alpha.unsqueeze(-1) + pv
         m = m_new
     total = denom + torch.exp(sink - m)

@@ -8,7 +8,9 @@
    with a verify key, the bundle's signature checks out (runtime_min/signing.py);
 2. the dsneuron that wrote it is of this runtime's release line (`check_creator`: the same
    major.minor version, any patch);
-3. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports);
+3. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports;
+   a `--stablehlo-only` neuron bundle runs its modules on XLA:CPU, runtime_min/executor_stablehlo.py,
+   which needs jax, checked when an executable loads);
 4. the toolchain is compatible (below);
 5. every file the manifest lists exists with the recorded size and sha256, and every file the bundle
    uses (weights, tokenizer, bucket executables) is listed. Executables are code: none is loaded
@@ -20,7 +22,7 @@ equal the compiling one; the machine architecture must match; and the host must 
 extension the compiling host had, because the generated code is built with -march=native. The
 Python version is recorded but not checked: the executables do not link libpython.
 On the neuron target none of these host rules apply: a NEFF holds no host code and runs on the
-NeuronCores through the Neuron runtime. Its rules (the SDK release that compiled it, and each
+NeuronCores through the Neuron runtime, and a StableHLO module is compiled for this host when loaded. Its rules (the SDK release that compiled it, and each
 NEFF's header against this host's logical core size) are checked by runtime_min/executor_neuron.py
 when a session is made, before any NEFF is loaded.
 
@@ -44,10 +46,10 @@ from safetensors import safe_open
 from .schema import MANIFEST, PARALLEL, BundleError, Manifest, Prepare, parse_dtype, shard_record
 
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
-# of these names are placeholders). Compiling traces on the XLA device (torch_neuronx), runs
-# neuronx-cc (neuronxcc) and imports the NKI kernels (nki); running a bundle loads its NEFFs through
-# torch_neuronx alone (runtime_min/executor_neuron.py).
-NEURON_PACKAGES = {"compile": ("torch_neuronx", "neuronxcc", "nki"), "run": ("torch_neuronx",)}
+# of these names are placeholders). Compiling NEFFs runs neuronx-cc (neuronxcc) on the StableHLO that
+# torch-mlir makes (a dsneuron dependency) and binds the NKI kernels (nki); running a bundle loads
+# its NEFFs through torch_neuronx alone (runtime_min/executor_neuron.py).
+NEURON_PACKAGES = {"compile": ("neuronxcc", "nki"), "run": ("torch_neuronx",)}
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 TARGETS = ("cpu", "neuron")
 USES = ("compile", "run")
@@ -285,25 +287,32 @@ def read_manifest(root: Path) -> Manifest:
     return Manifest.from_json(text)
 
 
-#: compiler.backend of an `--hlo-only` bundle (compiler/backend_hlo.py), which no runtime loads
-HLO_BACKEND = "torch-xla-hlo"
+#: compiler.backend of a `--stablehlo-only` neuron bundle, whose modules runtime_min/executor_stablehlo.py
+#: runs on XLA:CPU (a check of the neuron path on a host without Trainium)
+STABLEHLO_BACKEND = "stablehlo"
 
 
-def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: bool = False,
+def is_stablehlo(manifest: Manifest) -> bool:
+    """Whether the bundle holds StableHLO modules (`dsneuron compile --target neuron --stablehlo-only`)."""
+    return manifest.compiler.get("backend") == STABLEHLO_BACKEND
+
+
+def open_bundle(path: str | Path, verify_key: str | Path | None = None, inspect: bool = False,
                 shard: tuple[int, int, int] | None = None) -> Bundle:
     """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem.
     verify_key: a PEM public key; the bundle must then carry a signature by its private key over
     its files as they are (runtime_min/signing.py), checked right after the manifest parses.
-    An HLO-only bundle (compiler.backend HLO_BACKEND) is refused unless hlo_ok (`dsneuron inspect`):
-    it holds no executables, so its target and toolchain are not checked either.
+    inspect: open to describe or sign it, not to run it (`dsneuron inspect`, `sign`): a rank
+    folder of a sharded bundle opens on its own. A StableHLO bundle's target and toolchain are not
+    checked here (its executor needs only jax, checked when a module loads).
     shard: (tp, ep, rank) of the process that opens a rank bundle of a sharded bundle
     (runtime_min/sharded.py); its manifest's compiler.shard must be that plan and rank. A rank
-    bundle opened without it, or an ordinary bundle opened with it, is refused (unless hlo_ok)."""
+    bundle opened without it, or an ordinary bundle opened with it, is refused (unless inspect)."""
     root = Path(path).absolute()
     manifest = read_manifest(root)
     recorded = manifest.compiler.get("shard")
     want = None if shard is None else shard_record(*shard)
-    if recorded != want and not (hlo_ok and shard is None):
+    if recorded != want and not (inspect and shard is None):
         if want is None:
             raise BundleError(f"{root} is rank {recorded.get('rank')} of a sharded bundle of {recorded.get('tp')} "
                               f"ranks: `dsneuron run` the folder above it ({root.parent}), which starts every rank")
@@ -316,12 +325,7 @@ def open_bundle(path: str | Path, verify_key: str | Path | None = None, hlo_ok: 
     if manifest.target not in TARGETS:
         raise BundleError(f"{MANIFEST}: unknown target {manifest.target!r} (known: {', '.join(TARGETS)})")
     check_creator(manifest.created_by)
-    hlo = manifest.compiler.get("backend") == HLO_BACKEND
-    if hlo and not hlo_ok:
-        raise BundleError(f"{root} holds HLO modules (dsneuron compile --target neuron --hlo-only), not NEFFs: compile "
-                          "them with neuronx-cc on a host with the Neuron SDK (or there run the compile without "
-                          "--hlo-only); nothing runs them here")
-    if not hlo:
+    if not is_stablehlo(manifest):
         check_target(manifest.target, "run")
         check_toolchain(manifest.toolchain, target=manifest.target)
     verify_files(root, manifest)

@@ -33,7 +33,7 @@ from .neff import NeffHeader, NeffRecord, host_lnc, verify_neff
 from .schema import Bucket, BundleError, Manifest
 
 # manifest toolchain key -> pip distribution of the Neuron SDK.
-SDK_DISTRIBUTIONS = {"torch_xla": "torch-xla", "torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc",
+SDK_DISTRIBUTIONS = {"torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc",
                      "nki": "nki"}
 # Versions that must be equal on the compiling and the running host.
 MATCHING = ("torch_neuronx", "neuronx_cc")

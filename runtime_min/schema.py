@@ -91,12 +91,13 @@ def engram_columns(engram_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {f"engram_ids.{e}": engram_ids[:, :, e].clone(memory_format=torch.contiguous_format)
             for e in range(engram_ids.shape[2])}
 # Executable file extension per target.
-# "neuron-hlo": the HLO modules of `dsneuron compile --target neuron --hlo-only` (not runnable)
-EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff", "neuron-hlo": "hlo.pb"}
+# "neuron-stablehlo": the StableHLO portable artifacts of `dsneuron compile --target neuron --stablehlo-only`
+EXECUTABLE_EXT = {"cpu": "pt2", "neuron": "neff", "neuron-stablehlo": "mlirbc"}
 # Custom-op lowering modes recorded in `Compiler.custom_ops`: "inline" = the op's torch reference was
 # traced into aten ops before the backend compile (no Python at run time); "call" = the executable
-# calls the registered op through the dispatcher, so the op's module must be imported before loading.
-LOWERING_MODES = ("inline", "call")
+# calls the registered op through the dispatcher, so the op's module must be imported before loading
+# (on neuron: a kernel's op, a StableHLO composite); "kernel" = answered by an NKI kernel's op (neuron).
+LOWERING_MODES = ("inline", "call", "kernel")
 
 
 #: the manifest field holding `content_sha256` of the rest of the manifest (module docstring, Seal)

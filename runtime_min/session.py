@@ -37,7 +37,7 @@ import torch
 from dsneuron import UserError
 
 from . import schema, select
-from .bundle import Bundle, open_bundle
+from .bundle import Bundle, is_stablehlo, open_bundle
 from .collectives import collective_seconds
 from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
 from .sampling import check_params, check_seed, sample
@@ -178,6 +178,10 @@ class Session:
         if m.target == "cpu":
             register_custom_ops(m.compiler.get("custom_ops", {}))
             self._make: Callable[..., CpuExecutable | NeuronExecutable] = CpuExecutable
+        elif is_stablehlo(m):  # the neuron path's modules, run on XLA:CPU (a check)
+            from .executor_stablehlo import StableHloExecutable
+
+            self._make = StableHloExecutable
         else:  # open_bundle admits only known targets; the NEFFs are checked for this host here
             from .executor_neuron import NeuronExecutor
 

@@ -54,6 +54,24 @@ def _gated_mix_fake(x, y, alpha):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("dsneuron_test::nki_gated_mix", mutates_args=(), device_types="cpu")
+def nki_gated_mix(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The call of a stand-in 'NKI kernel' of gated_mix (tests/test_neuron_target.py binds it the
+    way kernels_nki/neuron_adapters.py binds the real kernels): the same values."""
+    return x + alpha * torch.tanh(y)
+
+
+@nki_gated_mix.register_fake
+def _nki_gated_mix_fake(x, y, alpha):
+    return torch.empty_like(x)
+
+
+def in_order(kernel, *args, **kwargs):
+    """A test adapter (kernels_nki/neuron_adapters.py NkiBinding.call): the kernel takes the op's
+    arguments as they are."""
+    return kernel(*args, **kwargs)
+
+
 class StandInModel(nn.Module):
     """vocab_size V, dim D, n_layers, window W, engram (E, C) hash columns over a table of
     engram_rows rows. All weights are parameters without grad; `seed` makes them reproducible."""

@@ -20,7 +20,7 @@ from dsneuron.compiler.model_steps import GraphsStepFactory, build_model_parts
 from dsneuron.graphs.config import ConfigError
 from dsneuron.graphs.model import fp4_index_scores, indexer_mode
 from dsneuron.graphs.quant import INDEX_K_FORMAT, fp4_act_quant_qdq, fp4_operand_bytes, quantize_state
-from dsneuron.kernels_nki.formats import E2M1_VALUES, dequantize_e2m1, xla_spelling
+from dsneuron.kernels_nki.formats import E2M1_VALUES, dequantize_e2m1, neuron_spelling
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_kernel_ref, mqa_logits_ref
 from dsneuron.kernels_nki.neuron_adapters import call_mqa_logits
 from oracles import bf16_rne
@@ -49,14 +49,14 @@ def _every_code_at_every_scale() -> torch.Tensor:
     return torch.stack(blocks).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("xla", [False, True], ids=["cpu-spelling", "xla-spelling"])
-def test_operand_bytes_decode_to_the_values_exactly(xla):
+@pytest.mark.parametrize("neuron", [False, True], ids=["cpu-spelling", "neuron-spelling"])
+def test_operand_bytes_decode_to_the_values_exactly(neuron):
     g = torch.Generator().manual_seed(1)
     qdq = fp4_act_quant_qdq((torch.randn(512, 128, generator=g) * torch.logspace(-30, 30, 512).unsqueeze(1))
                             .to(torch.bfloat16), 32, "ue8m0")
     for v in (_every_code_at_every_scale(), qdq):
-        if xla:
-            with xla_spelling():
+        if neuron:
+            with neuron_spelling():
                 packed, sf = fp4_operand_bytes(v)
         else:
             packed, sf = fp4_operand_bytes(v)
@@ -101,7 +101,8 @@ def test_kernel_scores_are_the_exact_score_rounded_once(seed):
 
 
 def test_the_kernel_convention_reference_behind_the_adapter_is_the_op():
-    """What the XLA check puts in mqa_logits_kernel's place (compiler/xla_check.py REFERENCE_KERNELS)."""
+    """What a StableHLO consumer runs in mqa_logits_kernel's place (the decomposition of its
+    composite, compiler/stablehlo.py), through the adapter, is the op."""
     for case in DENSE_CASES[:6]:
         args = make_mqa_inputs(case)
         got = call_mqa_logits(mqa_logits_kernel_ref, *args, case.t)
@@ -162,16 +163,16 @@ def test_the_mode_changes_the_fingerprint(micro_cfg):
 
 
 def test_neuron_lowering_keeps_the_mqa_logits_op_where_the_nki_kernel_goes(micro_parts):
-    """In kernel mode the neuron graph calls dsneuron::mqa_logits, which backend_neuron binds to
-    mqa_logits_kernel (the official bf16 expression has no NKI kernel and is inlined)."""
-    lowering = backend_neuron.lowering(backend_neuron.kernel_sources())
+    """In kernel mode the neuron graph calls dsneuron::mqa_logits, which the neuron lowering answers
+    with mqa_logits_kernel's op (the official bf16 expression has no NKI kernel and is inlined)."""
+    lowering = backend_neuron.lowering()
     parts = micro_parts("neuron")
     sg = _index_stage(parts, "decode")
     exported = export_step(sg.graph, parts.weights, sg.name, backend_neuron.INPUT_VIEWS, lowering, module_order=True,
-                           xla_spelling=True)
+                           neuron_spelling=True)
     finish(exported.program, lowering, sg.name)
     ops = custom_ops_in(exported.program)
-    assert "dsneuron::mqa_logits" in ops and "dsneuron::mqa_logits_bf16" not in ops
+    assert "dsneuron::nki_mqa_logits" in ops and "dsneuron::mqa_logits_bf16" not in ops
     assert backend_neuron.kernel_sources()["dsneuron::mqa_logits"]["kernel"].endswith(":mqa_logits_kernel")
 
 

@@ -309,40 +309,34 @@ def test_compile_without_sdk_fails_before_any_work(monkeypatch, capsys, tmp_path
     out = tmp_path / "art"
     assert run_cli(monkeypatch, "compile", "--config", "micro", "--target", "neuron", "--out", str(out)) == 2
     err = " ".join(capsys.readouterr().err.split())
-    for text in ("target 'neuron' is not available", "torch_neuronx", "neuronxcc", "nki",
-                 "https://pip.repos.neuron.amazonaws.com"):
+    for text in ("target 'neuron' is not available", "neuronxcc", "nki", "https://pip.repos.neuron.amazonaws.com"):
         assert text in err
     assert not out.exists() and not (tmp_path / "cache").exists()
     kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
-    with pytest.raises(BundleError, match="missing Python packages torch_neuronx, neuronxcc, nki"):
+    with pytest.raises(BundleError, match="missing Python packages neuronxcc, nki"):
         pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, out, kit.parts, target="neuron",
                                 cache_dir=tmp_path / "cache", console=QUIET)
     assert not out.exists() and not (tmp_path / "cache").exists()
 
 
 # ------------------------------------------------------------------------------------------ pipeline with a stand-in SDK seam
-def in_order(kernel, *args, **kwargs):
-    """A test adapter: the kernel takes the op's arguments as they are."""
-    return kernel(*args, **kwargs)
-
-
-GATED_MIX = NkiBinding("stand_in:gated_mix", in_order)
+GATED_MIX = NkiBinding("stand_in:gated_mix", stand_in.in_order, "dsneuron_test::nki_gated_mix")
 
 
 class FakeSeam:
     """Stands in for `compile_neff` (the only step that needs the SDK): writes a synthetic NEFF whose
-    payload depends on the graph and records each call."""
+    payload depends on the StableHLO module and records each call."""
 
     def __init__(self, lnc_written: int | None = None):
         self.calls: list[dict] = []
         self.lnc_written = lnc_written
 
-    def __call__(self, program, out, args, lnc, kernels):
-        user_inputs = list(program.graph_signature.user_inputs)
-        self.calls.append({"file": out.name, "args": tuple(args), "lnc": lnc, "n_inputs": len(user_inputs),
-                           "ops": sorted({str(n.target) for n in program.graph.nodes if n.op == "call_function"})})
-        write_synthetic_neff(out, note=normalised_graph(program)[:2000] + " ".join(args),
-                             lnc_size=self.lnc_written or lnc, feature_bits=0x3)
+    def __call__(self, module, out, args, lnc):
+        facts = module.facts()
+        self.calls.append({"file": out.name, "args": tuple(args), "lnc": lnc, "n_inputs": facts.arguments,
+                           "composites": facts.composites, "f64": facts.f64_ops})
+        write_synthetic_neff(out, note=module.text[:2000] + " ".join(args), lnc_size=self.lnc_written or lnc,
+                             feature_bits=0x3)
 
 
 @pytest.fixture()
@@ -364,9 +358,9 @@ def fake_sdk(monkeypatch):
 def neuron_kit(tmp_path):
     kit = stand_in.make_kit(tmp_path, {"max_seq_len": 8, "decode_context_lens": [8]})
 
-    def compile_to(name, flags=None, cache="cache"):
+    def compile_to(name, flags=None, cache="cache"):  # in this process: FakeSeam records its calls here
         return pipeline.compile_bundle(kit.model_cfg, kit.compile_cfg, tmp_path / name, kit.parts, target="neuron",
-                                       cache_dir=tmp_path / cache, flags=flags, console=QUIET)
+                                       cache_dir=tmp_path / cache, flags=flags, console=QUIET, bucket_workers=1)
     return kit, compile_to
 
 
@@ -384,14 +378,16 @@ def test_neuron_bundle_records_flags_and_headers_per_bucket(fake_sdk, neuron_kit
         assert neff[b.file] == {"flags": neff[b.file]["flags"], "lnc_size": header.lnc_size,
                                 "feature_bits": header.feature_bits, "neff_version": header.neff_version}
         assert (header.lnc_size, header.feature_bits) == (1, 0x3)
-    # the NKI-kernel op stays one node for the kernel; weights are NEFF inputs, stored once beside
-    assert m.compiler["custom_ops"] == {"dsneuron_test::gated_mix": "call"}
+    # the op answered by its kernel: one kernel call, a composite in the StableHLO neuronx-cc gets;
+    # weights are module arguments (NEFF inputs), stored once beside
+    assert m.compiler["custom_ops"] == {"dsneuron_test::gated_mix": "kernel", "dsneuron_test::nki_gated_mix": "call"}
     assert m.compiler["nki_kernels"] == {"dsneuron_test::gated_mix": "stand_in:gated_mix"}
-    assert all("dsneuron_test.gated_mix.default" in c["ops"] for c in fake_sdk.calls)
+    assert all(c["composites"] == {"dsneuron.nki.gated_mix": 2} and c["f64"] == 0 for c in fake_sdk.calls)
     for b, call in zip(sorted(m.buckets, key=lambda b: b.file), sorted(fake_sdk.calls, key=lambda c: c["file"])):
         assert call["n_inputs"] == len(b.weights) + len(b.inputs) and len(b.weights) == len(kit.parts.weights)
     assert m.weight_views == {"proj": "uint8", "proj_scale": "uint8"}  # fp8 / e8m0 cross the NEFF as bytes
-    assert m.toolchain["cpu_isa"] == [] and {"torch_neuronx", "neuronx_cc", "nki", "torch_xla"} <= set(m.toolchain)
+    assert m.toolchain["cpu_isa"] == [] and {"torch_neuronx", "neuronx_cc", "nki", "torch_mlir"} <= set(m.toolchain)
+    assert "torch_xla" not in m.toolchain
     open_bundle(out)
 
 
@@ -441,54 +437,35 @@ def test_one_loop_makes_both_targets_bundles_alike(fake_sdk, neuron_kit, monkeyp
         pipeline.make_backend("tpu", None, [])
 
 
-def test_neuron_lowering_keeps_kernel_ops_and_inlines_the_rest(neuron_kit):
+def test_neuron_lowering_calls_the_kernel_op_and_inlines_the_rest(neuron_kit, monkeypatch):
     kit, _ = neuron_kit
     step = kit.parts.steps.decode(2, 8)
-    for table, want in (({"dsneuron_test::gated_mix": GATED_MIX}, "call"), ({}, "inline")):
-        mode = backend_neuron.lowering(backend_neuron.kernel_sources(table))
+    for table, want in (({"dsneuron_test::gated_mix": GATED_MIX},
+                         {"dsneuron_test::gated_mix": "kernel", "dsneuron_test::nki_gated_mix": "call"}),
+                        ({}, {"dsneuron_test::gated_mix": "inline"})):
+        monkeypatch.setattr(backend_neuron, "NKI_KERNELS", table)
+        mode = backend_neuron.lowering()
         exported = export_step(step, kit.parts.weights, "decode b2 s8", backend_neuron.INPUT_VIEWS, mode)
-        assert finish(exported.program, mode, "decode") == {"dsneuron_test::gated_mix": want}
+        assert finish(exported.program, mode, "decode") == want
 
 
-def test_nki_dispatch_calls_the_kernel_with_the_ops_arguments(tiny_op_program):
-    program, x, y = tiny_op_program
-    seen = []
+def test_the_lowering_runs_the_adapter_around_the_kernel_op():
+    """The kernel op of an exported neuron graph takes the kernel's own arguments: sparse_attn's
+    index list of 63 slots reaches `dsneuron::nki_sparse_attn` padded to 64, and the program
+    computes what the op does."""
+    q, kv, sink, idx, scale = make_attn_inputs(AttnCase("k63", 1, 3, 4, 128, 90, 63, seed=90))
 
-    class Kernel:  # an @nki.jit stand-in: kernel[grid](...) launches with a grid
-        def __init__(self, grid=None):
-            self.grid = grid
+    class Attn(torch.nn.Module):
+        def forward(self, q, kv, sink, idx):
+            return torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, scale)
 
-        def __getitem__(self, grid):
-            return Kernel(grid)
-
-        def __call__(self, a, b, alpha):
-            seen.append((self.grid, alpha))
-            return a - b
-
-    import sys
-    import types
-    mod = types.ModuleType("fake_kernel_mod_for_dispatch")
-    mod.kernel = Kernel()
-    sys.modules[mod.__name__] = mod
-    try:
-        for lnc, grid in ((1, None), (2, 2)):
-            with backend_neuron.NkiDispatch({"dsneuron_test::gated_mix": NkiBinding(f"{mod.__name__}:kernel", in_order)},
-                                            lnc):
-                got = program.module()(x, y)
-            torch.testing.assert_close(got, (x - y) * 3, rtol=0, atol=0)
-            assert seen[-1] == (grid, 0.5)
-    finally:
-        del sys.modules[mod.__name__]
-
-
-@pytest.fixture()
-def tiny_op_program():
-    class UsesOp(torch.nn.Module):
-        def forward(self, x, y):
-            return torch.ops.dsneuron_test.gated_mix(x, y, 0.5) * 3
-
-    x, y = torch.randn(4), torch.randn(4)
-    return torch.export.export(UsesOp(), (x, y), strict=False), x, y
+    mode = backend_neuron.lowering()
+    with mode:
+        program = torch.export.export(Attn(), (q, kv, sink, idx), strict=False)
+    assert finish(program, mode, "attn") == {"dsneuron::nki_sparse_attn": "call", "dsneuron::sparse_attn": "kernel"}
+    calls = [n for n in program.graph.nodes if n.op == "call_function" and "nki_sparse_attn" in str(n.target)]
+    assert len(calls) == 1 and tuple(calls[0].args[3].meta["val"].shape) == (1, 3, 64) and calls[0].args[4] == scale
+    assert torch.equal(program.module()(q, kv, sink, idx), torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, scale))
 
 
 # ------------------------------------------------------------------------------------------ NKI kernel adapters
@@ -530,8 +507,8 @@ def nki_kernels():
 
 @pytest.fixture()
 def wrapped(nki_kernels, monkeypatch):
-    """Each kernel of the real NKI_KERNELS table, as NkiDispatch imports it, replaced by its
-    TorchKernel; returns {op: TorchKernel}."""
+    """Each kernel of the real NKI_KERNELS table replaced by its TorchKernel in its module (the
+    stand-in of `nki`); returns {op: TorchKernel}."""
     out = {}
     for op, binding in BINDINGS.items():
         module, _, name = binding.kernel.partition(":")
@@ -630,47 +607,27 @@ def test_mqa_adapters_answer_empty_results_without_the_kernel(wrapped):
     assert out.shape == (3, 0) and dense.calls == [] and sparse.calls == []
 
 
-class UsesKernelOps(torch.nn.Module):
-    """A step that calls the two kernel ops the way the model does (bf16 attention output combined
-    with fp32 logits)."""
-
-    def forward(self, q, kv, sink, idx, mq, mq_sf, mkv, mkv_sf, w, ks, ke):
-        o = torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, 0.125)
-        logits = torch.ops.dsneuron.mqa_logits(mq, mq_sf, mkv, mkv_sf, w, ks, ke, 40)
-        return o.float().sum(-1), logits.float() * 2
-
-
 def _kernel_op_inputs(d=128):
     q, kv, sink, idx, _ = make_attn_inputs(AttnCase("step", 1, 3, 2, d, 50, 20, seed=101))
     return (q, kv, sink, idx, *make_mqa_inputs(MqaCase("step", "fp8", 3, 2, 32, 40, "causal", seed=102)))
 
 
-def test_neuron_lowering_and_dispatch_run_the_kernels_in_place_of_the_ops(wrapped):
-    """Export with the neuron lowering (the kernel ops stay calls), then run the program under
-    NkiDispatch with the real NKI_KERNELS table: each op reaches its stand-in kernel through its
-    adapter, and the step's outputs match the program run with the torch references."""
-    inputs = _kernel_op_inputs()
-    mode = backend_neuron.lowering(backend_neuron.kernel_sources())
-    with mode:
-        program = torch.export.export(UsesKernelOps(), inputs, strict=False)
-    assert finish(program, mode, "step") == {"dsneuron::mqa_logits": "call", "dsneuron::sparse_attn": "call"}
-    want = program.module()(*inputs)
-    with backend_neuron.NkiDispatch(BINDINGS, 1):
-        got = program.module()(*inputs)
-    assert len(wrapped["dsneuron::sparse_attn"].calls) == 1 and len(wrapped["dsneuron::mqa_logits"].calls) == 1
-    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
-    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
-    finite = torch.isfinite(want[1])
-    assert (got[1][finite] == want[1][finite]).float().mean() >= 0.99
-
-
-def test_a_kernel_that_cannot_take_the_shapes_is_named(wrapped):
-    inputs = _kernel_op_inputs(d=64)  # the sparse-attention kernel tiles D in 128s
-    program = torch.export.export(UsesKernelOps(), inputs, strict=False)
-    with pytest.raises(CompileError, match=r"dsneuron::sparse_attn: its NKI kernel dsneuron.kernels_nki.sparse_attn_nki:"
-                                           r"sparse_attn_kernel cannot take these arguments: .*multiple of 128"):
-        with backend_neuron.NkiDispatch(BINDINGS, 1):
-            program.module()(*inputs)
+def test_each_kernel_op_is_its_nki_kernel_through_the_adapter(wrapped):
+    """The decomposition a StableHLO consumer runs in a kernel's place (the kernel op's torch
+    reference, compiler/stablehlo.py) and the NKI kernel (its NumPy stand-in) give the same result
+    through the same adapter: the composite means what the kernel computes."""
+    q, kv, sink, idx, mq, mq_sf, mkv, mkv_sf, w, ks, ke = _kernel_op_inputs()
+    for op, args in (("dsneuron::sparse_attn", (q, kv, sink, idx, 0.125)),
+                     ("dsneuron::mqa_logits", (mq, mq_sf, mkv, mkv_sf, w, ks, ke, 40))):
+        binding = BINDINGS[op]
+        ns, name = binding.op.split("::")
+        via_op = binding.call(getattr(getattr(torch.ops, ns), name), *args)
+        via_kernel = binding.call(wrapped[op], *args)
+        assert len(wrapped[op].calls) == 1 and via_op.shape == via_kernel.shape and via_op.stride() == via_kernel.stride()
+        if op == "dsneuron::sparse_attn":
+            assert_close(via_kernel, f64(via_op), abs_tol=ABS_TOL, rel_tol=REL_TOL, cos_tol=COS_TOL, what=op)
+        else:
+            _same_logits(via_kernel, via_op, op)
 
 
 # ------------------------------------------------------------------------------------------ runtime
@@ -764,8 +721,8 @@ def test_neuron_integration_modules_have_no_unused_names():
     reporter = pytest.importorskip("pyflakes.reporter")
     root = Path(backend_neuron.__file__).parent.parent
     warnings, errors = io.StringIO(), io.StringIO()
-    for rel in ("compiler/compile.py", "compiler/backend_neuron.py", "runtime_min/bundle.py",
-                "kernels_nki/neuron_adapters.py"):
+    for rel in ("compiler/compile.py", "compiler/backend_neuron.py", "compiler/stablehlo.py", "runtime_min/bundle.py",
+                "runtime_min/executor_stablehlo.py", "kernels_nki/neuron_adapters.py"):
         api.checkPath(str(root / rel), reporter.Reporter(warnings, errors))
     assert warnings.getvalue() + errors.getvalue() == ""
 
@@ -812,3 +769,75 @@ def test_sdk_run_micro_and_compare_with_the_cpu_bundle(tmp_path, monkeypatch):
     assert run_cli(mp, "run", str(tmp_path / "neuron"), "--prompt", "Hello", "--max-new-tokens", "4") == 0
     for target in ("cpu", "neuron"):
         assert run_cli(mp, "compare", str(tmp_path / target), "--json", str(tmp_path / f"{target}.json")) == 0
+
+
+# ------------------------------------------------------------------------------------------ the SDK seam, stand-in compiler
+FAKE_NEURONX_CC = r'''#!/usr/bin/env python3
+import json, shutil, sys
+args = sys.argv[1:]
+out = next(a for a in args if a.startswith("--output=")) if any(a.startswith("--output=") for a in args) else \
+    args[args.index("--output") + 1]
+out = out.split("=", 1)[1] if out.startswith("--output=") else out
+shutil.copy(args[1], sys.argv[0] + ".hlo.pb")
+json.dump(args, open(sys.argv[0] + ".args.json", "w"))
+open(out, "wb").write(b"NEFF stand-in")
+'''
+
+
+def _sparse_attn_module():
+    """(the StableHLO module of one sparse_attn call lowered for neuron, its scale)."""
+    from dsneuron.compiler.stablehlo import lower_program
+
+    q, kv, sink, idx, scale = make_attn_inputs(AttnCase("seam", 1, 2, 2, 128, 30, 10, seed=7))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, kv, sink, idx):
+            return (torch.ops.dsneuron.sparse_attn(q, kv, sink, idx, scale).float() * 2,)
+
+    mode = backend_neuron.lowering()
+    with mode:
+        program = torch.export.export(Attn(), (q, kv, sink, idx), strict=False)
+    return lower_program(program, backend_neuron.kernel_ops(backend_neuron.kernel_sources()), "seam"), scale
+
+
+def test_compile_neff_binds_the_kernels_and_hands_neuronx_cc_the_hlo_module(tmp_path, monkeypatch):
+    """compile_neff with a stand-in neuronx-cc on PATH and a stand-in for the one call that needs
+    `nki` (the kernel's backend_config): every kernel composite becomes the documented custom-call
+    AwsNeuronCustomNativeKernel with that config, the decomposition is gone, and neuronx-cc gets an
+    HloModuleProto with `compile <hlo.pb> --framework XLA <the bucket's arguments>`."""
+    from jax._src.lib import xla_client
+
+    module, scale = _sparse_attn_module()
+    exe = tmp_path / "neuronx-cc"
+    exe.write_text(FAKE_NEURONX_CC)
+    exe.chmod(0o755)
+    monkeypatch.setattr(backend_neuron, "require_compiler", lambda: str(exe))
+    seen = []
+
+    def config(kernel, operands, results, attrs, lnc):
+        seen.append((kernel, len(operands), results, attrs, lnc))
+        return json.dumps({"func_name": kernel.split(":")[1], "grid": [lnc]})
+
+    monkeypatch.setattr(backend_neuron, "nki_kernel_config", config)
+    out = tmp_path / "prefill_b1_s2.neff"
+    args = ("--lnc=1", "--target=trn2", "-O1")
+    backend_neuron.compile_neff(module, out, args, 1)
+    assert out.read_bytes() == b"NEFF stand-in"
+    argv = json.loads(Path(f"{exe}.args.json").read_text())
+    assert argv[0] == "compile" and argv[1].endswith("model.hlo.pb") and argv[2:5] == ["--framework", "XLA", *args[:1]]
+    assert list(args) == argv[4:7] and "--output" in argv
+    assert seen == [("dsneuron.kernels_nki.sparse_attn_nki:sparse_attn_kernel", 4, ["tensor<1x2x2x128xbf16>"],
+                     {"kernel_sha256": backend_neuron.kernel_sources()["dsneuron::sparse_attn"]["kernel_sha256"],
+                      "scale": pytest.approx(scale)}, 1)]
+    hlo = xla_client.XlaComputation(Path(f"{exe}.hlo.pb").read_bytes()).as_hlo_text()
+    assert 'custom_call_target="AwsNeuronCustomNativeKernel"' in hlo and '"func_name": "sparse_attn_kernel"' in hlo
+    assert "composite" not in hlo and "sparse_attn_impl" not in module.text
+
+
+def test_compile_neff_names_what_it_needs_without_the_sdk(tmp_path, monkeypatch):
+    monkeypatch.setattr(backend_neuron, "require_compiler", lambda: "/opt/aws/neuron/bin/neuronx-cc")
+    module, _ = _sparse_attn_module()
+    with pytest.raises(CompileError, match=r"binding the NKI kernel dsneuron.kernels_nki.sparse_attn_nki:"
+                                           r"sparse_attn_kernel into the module needs the Neuron SDK's nki package"):
+        backend_neuron.compile_neff(module, tmp_path / "x.neff", ("--target=trn2",), 1)
+    assert not (tmp_path / "x.neff").exists()

@@ -120,7 +120,7 @@ def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
     values), the MoE in its routed loop (each expert on the tokens routed to it), ascending order."""
     from dsneuron.graphs.model import Transformer, gemm_order
     from dsneuron.graphs.steps import decode, init_state, n_engram_cols, prefill
-    from dsneuron.kernels_nki.formats import xla_spelling
+    from dsneuron.kernels_nki.formats import neuron_spelling
 
     model = Transformer(cfg, engram_layout(cfg).num_embeddings, bucket.capacity)
     for p in model.parameters():  # zeros: no NaN from uninitialised bytes
@@ -130,7 +130,7 @@ def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
     tokens = torch.zeros(B, S, dtype=torch.int64)
     ids = torch.zeros(B, S, E, C, dtype=torch.int64)
     fc = FlopCounterMode(display=False, custom_mapping=P.custom_flops())
-    with fc, gemm_order("ascending"), xla_spelling(), torch.no_grad():
+    with fc, gemm_order("ascending"), neuron_spelling(), torch.no_grad():
         if bucket.kind == "prefill":
             prefill(model, tokens, torch.full((B,), S), ids, routed=True)
         else:

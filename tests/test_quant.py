@@ -34,8 +34,8 @@ from dsneuron.graphs.quant import (
     quantize_fp8_weight,
     ue8m0_scale,
 )
-from dsneuron.kernels_nki.formats import (copysign, e4m3_round, e4m3_to_float, pack_fp4, ue8m0_to_float, unpack_fp4,
-                                          xla_spelling)
+from dsneuron.kernels_nki.formats import (e4m3_round, e4m3_to_bytes, e4m3_to_float, neuron_spelling, pack_fp4, pow2,
+                                          ue8m0_to_float, unpack_fp4)
 
 FAST = settings(max_examples=60, deadline=None, derandomize=True)
 INF = float("inf")
@@ -715,10 +715,10 @@ def test_experts_linear_equals_fp8_linear_per_expert():
                 assert torch.equal(got_e[e], fp8_linear(xe[e], w_deq[e], order=order))
 
 
-# ------------------------------------------------------------------ the neuron target's XLA spelling
-# kernels_nki/formats.py `xla_spelling`: the same codecs and roundings in integer and fp32
-# arithmetic, without float8 dtypes or bit views. The oracle is torch's own casts (and ml_dtypes
-# for the e4m3 bytes); equality is bit for bit, NaN equal to NaN whatever its payload.
+# ------------------------------------------------------------------ the neuron target's spelling
+# kernels_nki/formats.py `neuron_spelling`: the same codecs and roundings on integer and fp32 bit
+# patterns, without float8 dtypes. The oracle is torch's own casts (and ml_dtypes for the e4m3
+# bytes); equality is bit for bit, NaN equal to NaN whatever its payload.
 def _bits_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
     width = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[want.element_size()]
     same = got.contiguous().view(width) == want.contiguous().view(width)
@@ -731,62 +731,69 @@ _EVERY_BYTE = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 _EVERY_BF16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
 
 
-def test_xla_spelling_decodes_every_e4m3_and_e8m0_byte_as_torch_does():
+def test_neuron_spelling_decodes_every_e4m3_and_e8m0_byte_as_torch_does():
     want_e4m3 = _EVERY_BYTE.view(torch.float8_e4m3fn).float()
     want_e8m0 = _EVERY_BYTE.view(torch.float8_e8m0fnu).float()
-    with xla_spelling():
+    with neuron_spelling():
         got_e4m3, got_e8m0 = e4m3_to_float(_EVERY_BYTE), ue8m0_to_float(_EVERY_BYTE)
     assert _bits_equal(got_e4m3, want_e4m3)
     assert _bits_equal(got_e4m3, torch.from_numpy(_EVERY_BYTE.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)))
     assert _bits_equal(got_e8m0, want_e8m0)
 
 
-def test_xla_spelling_decodes_every_fp4_byte_as_the_default_spelling():
+def test_neuron_spelling_encodes_every_e4m3_value_to_its_byte():
+    values = _EVERY_BYTE.view(torch.float8_e4m3fn).float()
+    finite = ~values.isnan()
+    with neuron_spelling():
+        got = e4m3_to_bytes(values)
+    assert torch.equal(got[finite], _EVERY_BYTE[finite])  # -0.0 included (byte 0x80)
+    assert set(got[~finite].tolist()) <= {0x7F, 0xFF}  # NaN: the canonical code, either sign
+
+
+def test_neuron_spelling_pow2_is_exact_over_the_normal_range():
+    e = torch.arange(-126, 128, dtype=torch.int32)
+    assert _bits_equal(pow2(e), torch.ldexp(torch.ones(254), e))
+
+
+def test_neuron_spelling_decodes_every_fp4_byte_as_the_default_spelling():
     w = _EVERY_BYTE.view(torch.int8).view(8, 32)  # 8 rows of K = 64, one scale per 32
     scale = torch.tensor([120, 127, 130, 1, 254, 127, 126, 128], dtype=torch.uint8).view(8, 1).expand(8, 2).contiguous()
     want = dequant_fp4_weight(w, scale.view(torch.float8_e8m0fnu))
-    with xla_spelling():
+    with neuron_spelling():
         got = dequant_fp4_weight(w, scale)
     assert _bits_equal(got, want)
 
 
-def test_xla_spelling_rounds_every_bf16_pattern_to_e4m3_as_the_cast_does():
+def test_neuron_spelling_rounds_every_bf16_pattern_to_e4m3_as_the_cast_does():
     x = _EVERY_BF16.clamp(-448, 448)  # the callers' clamp (e4m3_rne): inf -> 448, NaN stays
     want = x.to(torch.float8_e4m3fn).float()
-    with xla_spelling():
+    with neuron_spelling():
         assert _bits_equal(e4m3_round(x), want)
         assert _bits_equal(e4m3_rne(_EVERY_BF16), want)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_xla_spelling_rounds_random_fp32_to_e4m3_and_ue8m0_as_the_bit_version(seed):
+def test_neuron_spelling_rounds_random_fp32_to_e4m3_as_the_cast_does(seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-40, 12, (200_000,), generator=g).float())
-    e = torch.arange(-149, 128, dtype=torch.float32)
-    p2 = torch.exp2(e)
-    ratios = torch.cat([x.abs(), p2, torch.nextafter(p2, torch.full_like(p2, INF)), torch.nextafter(p2, torch.zeros_like(p2)),
-                        torch.tensor([0.0, INF, float("nan"), 2.0**127 * 1.5]), _EVERY_BF16])
-    want_round, want_scale = x.clamp(-448, 448).to(torch.float8_e4m3fn).float(), ue8m0_scale(ratios)
-    with xla_spelling():
-        assert _bits_equal(e4m3_round(x.clamp(-448, 448)), want_round)
-        assert _bits_equal(ue8m0_scale(ratios), want_scale)
+    # the ties and their neighbours of every binade: the half-way points of the e4m3 grid
+    grid = _EVERY_BYTE.view(torch.float8_e4m3fn).float()
+    grid = grid[~grid.isnan()].sort().values
+    half = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([x, half, torch.nextafter(half, grid[1:]), torch.nextafter(half, grid[:-1])]).clamp(-448, 448)
+    with neuron_spelling():
+        assert _bits_equal(e4m3_round(x), x.to(torch.float8_e4m3fn).float())
 
 
-def test_xla_spelling_quantizers_equal_the_default_spelling():
+def test_neuron_spelling_quantizers_equal_the_default_spelling():
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(32, 256, generator=g) * 4).to(torch.bfloat16)
     x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 448.0, -600.0, 3.0, -3.0])
     want = [act_quant_qdq(x, 32), fp4_act_quant_qdq(x, 32, "ue8m0"), fp4_act_quant_qdq(x, 16, "e4m3"), *fp4_quantize(x.float(), 32)]
-    with xla_spelling():
+    with neuron_spelling():
         got = [act_quant_qdq(x, 32), fp4_act_quant_qdq(x, 32, "ue8m0"), fp4_act_quant_qdq(x, 16, "e4m3"), *fp4_quantize(x.float(), 32)]
     for a, b in zip(got, want):
         assert _bits_equal(a, b)
-
-
-def test_xla_spelling_copysign_keeps_the_sign_of_negative_zero():
-    sign = torch.tensor([-2.0, -0.0, 0.0, 5.0, -1e-45])
-    with xla_spelling():
-        assert _bits_equal(copysign(torch.full((5,), 0.5), sign), torch.copysign(torch.full((5,), 0.5), sign))
 
 
 class _Fp8Projection(torch.nn.Module):
@@ -804,7 +811,7 @@ class _Fp8Projection(torch.nn.Module):
         return self.lin(x)
 
 
-def test_export_with_xla_spelling_holds_no_float8_and_computes_the_same():
+def test_export_with_neuron_spelling_holds_no_float8_and_computes_the_same():
     from dsneuron.compiler.backend_neuron import INPUT_VIEWS
     from dsneuron.compiler.export import StepGraph, export_step, float8_nodes
 
@@ -812,21 +819,30 @@ def test_export_with_xla_spelling_holds_no_float8_and_computes_the_same():
     weights = {"lin.weight": module.lin.weight, "lin.scale": module.lin.scale}
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     graph = StepGraph(module, (("x", x),), ("y",))
+    from dsneuron.graphs.model import gemm_order
+
     plain = export_step(graph, weights, "plain", INPUT_VIEWS)
-    xla = export_step(graph, weights, "xla", INPUT_VIEWS, xla_spelling=True)
+    with gemm_order("fused"):  # the neuron target's order: one fp32 GEMM (the golden's exact one sums in float64)
+        neuron = export_step(graph, weights, "neuron", INPUT_VIEWS, neuron_spelling=True)
     assert float8_nodes(plain.program), "the default spelling views the bytes back to float8"
-    assert float8_nodes(xla.program) == []
-    args = [weights[n].view(torch.uint8) for n in xla.weights]
-    assert _bits_equal(xla.program.module()(*args, x)[0], module(x))
+    assert float8_nodes(neuron.program) == [] and float8_nodes(neuron.program, (torch.float64,)) == []
+    args = [weights[n].view(torch.uint8) for n in neuron.weights]
+    assert _bits_equal(neuron.program.module()(*args, x)[0], module(x))
     assert _bits_equal(plain.program.module()(*args, x)[0], module(x))
 
 
-def test_export_with_xla_spelling_refuses_a_raw_float8_cast():
+def test_export_with_neuron_spelling_refuses_a_raw_float8_cast_and_float64():
     from dsneuron.compiler.export import CompileError, StepGraph, export_step
 
     class RawCast(torch.nn.Module):
         def forward(self, x):
             return x.to(torch.float8_e4m3fn).float()
 
+    class Wide(torch.nn.Module):
+        def forward(self, x):
+            return (x.double() * 3).float()
+
     with pytest.raises(CompileError, match=r"float8-free lowering left 2 node\(s\) with a float8 dtype, first to \(aten.to.dtype, torch.float8_e4m3fn\).*e4m3_round"):
-        export_step(StepGraph(RawCast(), (("x", torch.ones(4)),), ("y",)), {}, "raw", xla_spelling=True)
+        export_step(StepGraph(RawCast(), (("x", torch.ones(4)),), ("y",)), {}, "raw", neuron_spelling=True)
+    with pytest.raises(CompileError, match=r"left 3 node\(s\) with a float64 dtype, first to \(aten.to.dtype, torch.float64\).*no float64"):
+        export_step(StepGraph(Wide(), (("x", torch.ones(4)),), ("y",)), {}, "wide", neuron_spelling=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dsneuron.graphs import quant as Q
 from dsneuron.kernels_nki import cpu_gemm
-from dsneuron.kernels_nki.formats import e4m3_to_bytes, e4m3_to_float, ue8m0_to_bytes, xla_spelling
+from dsneuron.kernels_nki.formats import e4m3_to_bytes, e4m3_to_float, ue8m0_to_bytes, neuron_spelling
 
 FORMATS = {"window_kv": Q.window_format(32), "compress_kv": Q.COMPRESS_KV_FORMAT, "index_k": Q.INDEX_K_FORMAT}
 
@@ -34,7 +34,7 @@ def _round_trips(x: torch.Tensor, fmt: Q.StateFormat) -> None:
     b = Q.quantize_state(x, fmt)
     assert b.dtype == torch.uint8 and b.shape == (*x.shape[:-1], fmt.row_bytes(K))
     assert torch.equal(_bits(Q.dequantize_state(b, K, fmt).to(torch.bfloat16)), _bits(want))
-    with xla_spelling():
+    with neuron_spelling():
         bx = Q.quantize_state(x, fmt)
         vx = Q.dequantize_state(bx, K, fmt).to(torch.bfloat16)
     assert torch.equal(bx, b) and torch.equal(_bits(vx), _bits(want))
@@ -49,7 +49,7 @@ def test_e4m3_and_ue8m0_bytes_round_trip_every_value():
     b = b[(b & 0x7F) != 0x7F]
     v = e4m3_to_float(b)
     assert torch.equal(e4m3_to_bytes(v), b)
-    with xla_spelling():
+    with neuron_spelling():
         assert torch.equal(e4m3_to_bytes(v), b)
     e = torch.arange(-126, 128)
     s = torch.exp2(e.double()).float()
@@ -195,11 +195,11 @@ def test_the_models_state_holds_exactly_the_values_it_attends_over(micro_cfg, mi
     assert not math.isnan(float(ring.float().sum()))
 
 
-def test_the_xla_check_compares_byte_states_by_their_values(micro_cfg):
-    """compiler/xla_check.py `state_agreement`: two window_kv rows one FP8 code apart differ by one
-    quantisation step of the value (a bound the XLA test can hold), not by an unbounded integer;
+def test_the_stablehlo_check_compares_byte_states_by_their_values(micro_cfg):
+    """compiler/stablehlo_check.py `state_agreement`: two window_kv rows one FP8 code apart differ by
+    one quantisation step of the value (a bound a check can hold), not by an unbounded integer;
     equal bytes stay bit-identical; a non-state output is compared as it is."""
-    from dsneuron.compiler.xla_check import state_agreement
+    from dsneuron.compiler.stablehlo_check import state_agreement
     from dsneuron.graphs.steps import state_format
 
     fmt, K = state_format(micro_cfg, "layers.1.window_kv")
