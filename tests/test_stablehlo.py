@@ -271,9 +271,10 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
 def test_every_micro_stage_is_within_2_ulps_or_a_named_deviation(micro_stablehlo):
     """`dsneuron compare` on the probe bundle, one prompt: end to end within the floor; stage by
     stage, the golden stage re-run on the module's recorded input within 2 bf16 ulps, or one of
-    the deviations a target that sums in its own order shows (an fp32 stage a few fp32 ulps off,
-    an FP8/FP4 QDQ one quantisation step off at isolated elements, the attention reading such a
-    flipped entry); every selection (top-k, candidates, experts) the golden's."""
+    the deviations a target that sums in its own order shows (compare.py `local_deviations`: an
+    fp32 stage a few fp32 ulps off, an FP8/FP4 QDQ one quantisation step off at isolated
+    elements, a QDQ inside a stage moving isolated elements, the attention reading a flipped
+    compressed entry); every selection (top-k, candidates, experts) the golden's."""
     from dsneuron.compiler.compare import compare_bundle, end_to_end_verdict, local_deviations, worst_local
 
     reports = compare_bundle(micro_stablehlo / "bundle", [("short", "Hello")], n_decode=3,
