@@ -323,9 +323,9 @@ QDQ_STAGES = (".compress_kv.entry", ".attn.window_kv")
 QDQ_STEP_ULPS = 128
 QDQ_SHARE = 0.02
 #: stages that re-quantise inside (the FP8 activation QDQ before each FP8 GEMM: the attention's
-#: query and output projections, the MoE's SwiGLU output before w2, the engram projection; the
-#: indexer's FP4 QDQ of its query): a flipped value there moves isolated output elements
-QDQ_INSIDE = (".attn.core", ".attn.out", ".indexer.scores", ".ffn.out", ".engram.out")
+#: query, compressor and output projections, the MoE's SwiGLU output before w2, the engram
+#: projection; the indexer's FP4 QDQ of its query): a flipped value there moves isolated output elements
+QDQ_INSIDE = (".attn.core", ".attn.out", ".indexer.scores", ".ffn.out", ".engram.out", ".compressor.latent")
 #: stages that read the step's compressed KV, which carry a QDQ step of it on to every query that
 #: attends to the flipped entry
 AFTER_QDQ = (".attn.core", ".attn.out", ".indexer.scores")
