@@ -91,13 +91,14 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line for people: prefill, time to first token, decode rate."""
-        load = f" (of which {self.load_s:.3f} s loading executables)" if self.load_s else ""
+        load = (f"; executables loaded on first use {self.load_s:.3f} s (in the prefill and decode times)"
+                if self.load_s else "")
         decode = (f"decode {self.decode_steps} steps x {self.rows} rows in {self.decode_s:.3f} s = "
                   f"{self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
         if self.collective_s:
             decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"
-        return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s{load}; "
-                f"time to first token {self.first_token_s:.3f} s; {decode}")
+        return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s; "
+                f"time to first token {self.first_token_s:.3f} s; {decode}{load}")
 
 
 class TextStream:

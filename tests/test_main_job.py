@@ -74,7 +74,7 @@ def test_run_stats_prints_prefill_first_token_and_decode_rate(micro_bundle):
     assert r.returncode == 0, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "prefill " in line and "(bucket b1 s16)" in line and "time to first token" in line, line
-    assert "tokens/s" in line and "loading executables" in line, line
+    assert "tokens/s" in line and "executables loaded on first use" in line, line
 
 
 def test_run_prompts_file_prints_one_json_line_per_prompt(micro_bundle, tmp_path):
