@@ -226,8 +226,9 @@ def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (or --prompts-file)"),
     prompts_file: Optional[Path] = typer.Option(
-        None, "--prompts-file", help="prompts run as one batch: one prompt a line, or JSON lines {\"prompt\": ...}; "
-                                     "prints one JSON line {\"prompt\", \"completion\"} per prompt"),
+        None, "--prompts-file", help="prompts, one a line or JSON lines {\"prompt\": ...}, any number: batched over the "
+                                     "bundle's batch buckets (continuous batching), each as it would run alone; prints "
+                                     "one JSON line {\"prompt\", \"completion\"} per prompt, in input order"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most (stops earlier at EOS)"),
     temperature: float = typer.Option(0.0, "--temperature",
                                       help="0 = greedy; any other finite value > 0 samples from softmax((logits - max) / T) "
@@ -281,8 +282,9 @@ def _print(stream: str, text: str) -> None:
 def generate(session, out, prompt: str | None, prompts: list[str] | None, max_new_tokens: int, temperature: float,
              top_p: float, seed: int | None, stats: bool) -> None:
     """What `dsneuron run` does with a loaded runtime_min Session: stream the completion of `prompt`,
-    or one JSON line per prompt of `prompts` (one batch), to out("stdout", text); with stats, the
-    timings to out("stderr", text). Run by every rank of a sharded bundle (runtime_min/sharded.py)."""
+    or one JSON line per prompt of `prompts` (through the scheduler, in input order), to
+    out("stdout", text); with stats, the timings to out("stderr", text). Run by every rank of a
+    sharded bundle (runtime_min/sharded.py)."""
     if prompts is None:
         session.generate(prompt, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                          stream=lambda _row, piece: out("stdout", piece))
@@ -323,6 +325,59 @@ def read_prompts_file(path: Path) -> list[str]:
     if not prompts:
         raise UserError(f"--prompts-file {path}: holds no prompt")
     return prompts
+
+
+@app.command("serve")
+def serve_cmd(
+    bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed at start)"),
+    max_queue: int = typer.Option(128, "--max-queue", help="requests waiting for a row at most; more are answered "
+                                                          "HTTP 429"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="DSNEURON_API_KEY",
+                                          help="require `Authorization: Bearer KEY` on the /v1 routes (env "
+                                               "DSNEURON_API_KEY)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="the model name clients send [default: the bundle folder's name]"),
+    grace_period: float = typer.Option(30.0, "--grace-period", help="seconds SIGTERM lets in-flight requests finish "
+                                                                     "before ending them"),
+    verify_key: Optional[Path] = _verify_key_option(),
+) -> None:
+    """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) with continuous batching over its batch buckets; SIGTERM drains and exits 0."""
+    from dsneuron.runtime_min.sharded import read_sharded
+
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {port}")
+    if max_queue < 1:
+        raise UserError(f"--max-queue must be a positive integer, got {max_queue}")
+    if not 0 <= grace_period < 86400:
+        raise UserError(f"--grace-period must be in 0..86400 seconds, got {grace_period}")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key is empty; give a key, or leave the option out to serve without one")
+    name = served_model_name if served_model_name is not None else Path(bundle).absolute().name
+    if not name:
+        raise UserError("--served-model-name is empty")
+    job = {"host": host, "port": port, "max_queue": max_queue, "api_key": api_key, "model_name": name,
+           "grace": grace_period}
+    sharded = read_sharded(bundle)
+    if sharded is None:
+        from dsneuron.runtime_min.session import Session
+
+        serve_job(Session.load(bundle, verify_key), _print, **job)
+        return
+    from dsneuron.runtime_min.sharded import launch
+
+    launch(bundle, sharded, serve_job, job, _print, verify_key, term_to_rank0=True)
+
+
+def serve_job(session, out, **kwargs) -> None:
+    """What `dsneuron serve` does with a loaded Session (every rank of a sharded bundle: rank 0
+    serves, the others follow its steps; runtime_min/server.py)."""
+    from dsneuron.runtime_min.server import serve
+
+    serve(session, ready=lambda url: out("stderr", f"serving {kwargs['model_name']} at {url}/v1 (Ctrl-C or "
+                                                   "SIGTERM to stop)"), **kwargs)
 
 
 @app.command("compare")

@@ -4,13 +4,16 @@
     text = session.generate("Hello", max_new_tokens=32)                       # greedy
     texts = session.generate(["a", "b"], 32, temperature=0.8, top_p=0.9, seed=1, stream=print_piece)
 
-Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> pick the batch and prefill
-buckets (first-fit, runtime_min/select.py) -> right-pad -> engram ids on the host from the
-manifest's parameters -> prefill (state starts as the manifest's fill values when the prefill
-takes state inputs) -> sample -> decode one token per row per step, each row at its own position,
-at the smallest decode capacity holding the positions in use, resizing the state between
-capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) -> stop a
-row at EOS (not part of its text) or max_new_tokens.
+Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> one request per prompt
+through the scheduler (runtime_min/scheduler.py, the one decode loop, shared with `dsneuron
+serve`): each prompt's prefill at the smallest batch bucket, right-padded to its prefill bucket
+(first-fit, runtime_min/select.py), engram ids on the host from the manifest's parameters, state
+starting as the manifest's fill values when the prefill takes state inputs -> sample -> decode one
+token per active row per step at the smallest batch bucket holding the rows, each row at its own
+position, at the smallest decode capacity holding the positions in use, resizing the state
+between capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) ->
+stop a row at EOS (not part of its text) or max_new_tokens. Any number of prompts: those past the
+largest batch bucket wait for a free row, and each prompt's output is what it gets alone.
 
 Context limit, decided up front: a prompt of L tokens may generate N tokens only when
 L + N - 1 <= the largest decode capacity. The prefill holds positions 0..L-1 and its logits give the
@@ -38,9 +41,9 @@ from dsneuron import UserError
 
 from . import schema, select
 from .bundle import Bundle, is_stablehlo, open_bundle
-from .collectives import collective_seconds
 from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
-from .sampling import check_params, check_seed, sample
+from .sampling import check_params, check_seed
+from .scheduler import Request, Scheduler, check_context
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 if TYPE_CHECKING:
@@ -67,11 +70,12 @@ class GenerationStats:
     """Timings of the last `Session.generate` call, in seconds (wall clock, time.perf_counter).
 
     prompt_tokens: the longest prompt's token count; prefill_bucket: "b<batch> s<seq_len>" of the
-    prefill executable; load_s: executables loaded on first use during the call (counted in the
-    step that needed them); prefill_s: the prefill step, logits included; first_token_s: from the
-    call's start to the first token sampled (encoding and bucket choice included); decode_steps /
-    decode_s: the decode steps after the prefill; tokens_per_s: decode_steps * rows / decode_s;
-    collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
+    longest prompt's prefill executable; rows: the prompts; load_s: executables loaded on first use
+    during the call (counted in the step that needed them); prefill_s: the prefill steps (one per
+    prompt), logits included; first_token_s: from the call's start to the first token sampled
+    (encoding and bucket choice included); decode_steps / decode_s: the decode steps after the
+    prefills; decode_tokens: the rows they decoded, summed over the steps; tokens_per_s:
+    decode_tokens / decode_s; collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
     (runtime_min/collectives.py collective_seconds; 0 for one process).
     """
 
@@ -82,60 +86,24 @@ class GenerationStats:
     prefill_s: float = 0.0
     first_token_s: float = 0.0
     decode_steps: int = 0
+    decode_tokens: int = 0
     decode_s: float = 0.0
     collective_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.decode_steps * self.rows / self.decode_s if self.decode_s > 0 else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def summary(self) -> str:
         """One line for people: prefill, time to first token, decode rate."""
         load = (f"; executables loaded on first use {self.load_s:.3f} s (in the prefill and decode times)"
                 if self.load_s else "")
-        decode = (f"decode {self.decode_steps} steps x {self.rows} rows in {self.decode_s:.3f} s = "
-                  f"{self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
+        decode = (f"decode {self.decode_steps} steps, {self.decode_tokens} tokens of {self.rows} rows in "
+                  f"{self.decode_s:.3f} s = {self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
         if self.collective_s:
             decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"
         return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s; "
                 f"time to first token {self.first_token_s:.3f} s; {decode}{load}")
-
-
-class TextStream:
-    """Incremental detokenisation of one row (module docstring). `decode(ids) -> str` is the tokenizer's."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, token: int) -> str:
-        """Add one id; returns the text that became final (possibly "")."""
-        self.ids.append(token)
-        text = self._decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
-            return ""
-        piece, self.emitted = text[len(self.emitted):], text
-        return piece
-
-    def finish(self) -> str:
-        """The rest of the text (including held-back replacement characters of an invalid tail)."""
-        text = self._decode(self.ids)
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
-
-
-def check_context(prompt_len: int, max_new_tokens: int, capacity: int) -> None:
-    """UserError naming the limit unless a prompt of `prompt_len` tokens can generate
-    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 <= capacity
-    (module docstring: the last new token is never fed back, so it takes no position)."""
-    needed = prompt_len + max_new_tokens - 1
-    if needed > capacity:
-        raise UserError(f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs {needed} positions "
-                        f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
-                        f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
-                        f"max_new_tokens <= {capacity - prompt_len + 1}")
 
 
 def fresh_state(specs: Sequence[TensorSpec], fills: dict[str, StateEntry]) -> dict[str, torch.Tensor]:
@@ -204,7 +172,7 @@ class Session:
         self.hasher = make_engram_hasher(params) if self.engram_cols[0] > 0 else None
         #: timings of the last `generate` call (GenerationStats), None before the first
         self.last_stats: GenerationStats | None = None
-        vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
+        self.vocab_size = vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
         if self.hasher is not None and self.hasher.vocab_size != vocab:
             raise BundleError(f"manifest host_preprocessing.engram.token_map: maps {self.hasher.vocab_size} token ids, "
                               f"the model's vocabulary has {vocab}")
@@ -221,6 +189,10 @@ class Session:
     # ------------------------------------------------------------------ buckets
     def _lengths(self, kind: str, batch: int) -> list[int]:
         return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
+
+    def prefill_lengths(self, batch: int) -> list[int]:
+        """The seq_lens of the prefill buckets of batch size `batch`, ascending."""
+        return self._lengths("prefill", batch)
 
     def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
         key = (kind, batch, length)
@@ -251,21 +223,27 @@ class Session:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         return ([self.manifest.tokenizer.bos_token_id] if self.manifest.tokenizer.add_bos else []) + ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens (EOS, role markers) left out."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[int, str], None] | None = None) -> str | list[str]:
-        """Generate up to `max_new_tokens` per prompt; returns one text per prompt (a str for a str).
+        """Generate up to `max_new_tokens` per prompt; returns one text per prompt (a str for a str),
+        in prompt order. Any number of prompts (module docstring); each one's output is the one it
+        gets alone.
 
-        temperature 0 is greedy; otherwise temperature/top-p sampling from a torch.Generator seeded
-        with `seed` (fresh entropy when None). `stream(row, piece)` receives text as it is final.
-        Raises UserError naming the limit for an empty prompt, a prompt longer than the largest
-        prefill bucket, more prompts than the largest batch bucket, prompt + max_new_tokens - 1
+        temperature 0 is greedy; otherwise temperature/top-p sampling, each prompt from its own
+        torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
+        receives a prompt's text as it is final. Raises UserError naming the limit for an empty
+        prompt, a prompt longer than the largest prefill bucket, prompt + max_new_tokens - 1
         beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
         values (runtime_min/sampling.py).
         """
         single = isinstance(prompts, str)
         ids = self.generate_ids([prompts] if single else list(prompts), max_new_tokens, temperature, top_p, seed, stream)
-        texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in ids]
+        texts = [self.decode(g) for g in ids]
         return texts[0] if single else texts
 
     def generate_ids(self, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
@@ -280,69 +258,25 @@ class Session:
         check_seed(seed)
         start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
-        batch = select.pick_batch(self.batch_sizes, len(ids))
+        batch = select.pick_batch(self.batch_sizes, 1)
         longest = max(len(x) for x in ids)
         seq_len = select.pick_prefill(self._lengths("prefill", batch), longest)
         check_context(longest, max_new_tokens, self.max_capacity)
-        gen = torch.Generator()
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(seed)
         self.last_stats = GenerationStats(longest, f"b{batch} s{seq_len}", len(ids))
-        return self._run(ids, batch, seq_len, max_new_tokens, temperature, top_p, gen, stream, start)
+        scheduler = Scheduler(self, stats=self.last_stats)
+        index: dict[str, int] = {}
 
-    def _run(self, ids: list[list[int]], batch: int, seq_len: int, max_new: int, temperature: float, top_p: float,
-             gen: torch.Generator, stream: Callable[[int, str], None] | None, start: float) -> list[list[int]]:
-        tok_cfg = self.manifest.tokenizer
-        stats = self.last_stats
-        n = len(ids)
-        t0 = time.perf_counter()
-        exe, args, history = self._prefill_call(ids, batch, seq_len)
-        outs = exe.run(args)
-        state = self._collect(exe.bucket, outs)
-        stats.prefill_s = time.perf_counter() - t0
-        streams = [TextStream(lambda x: self.tokenizer.decode(x, skip_special_tokens=True)) for _ in range(n)]
-        generated: list[list[int]] = [[] for _ in range(n)]
-        active = [True] * n
-        next_ids = sample(outs[0], temperature, top_p, gen)
-        stats.first_token_s = time.perf_counter() - start
-        while True:
-            for i in range(n):
-                if not active[i]:
-                    continue
-                t = int(next_ids[i])
-                if t == tok_cfg.eos_token_id:
-                    active[i] = False
-                    continue
-                generated[i].append(t)
-                piece = streams[i].push(t)
-                if piece and stream is not None:
-                    stream(i, piece)
-                if len(generated[i]) >= max_new:
-                    active[i] = False
-            if not any(active):
-                break
-            # each active row feeds its last token at position prompt_len + generated - 1
-            pos = torch.zeros(batch, dtype=torch.int64)
-            feed = torch.full((batch, 1), tok_cfg.pad_token_id, dtype=torch.int64)
-            for i in range(n):
-                if active[i]:
-                    pos[i] = len(ids[i]) + len(generated[i]) - 1
-                    feed[i, 0] = generated[i][-1]
-            t0, c0 = time.perf_counter(), collective_seconds()
-            exe, args, history = self._decode_call(feed, pos, history, state)
-            outs = exe.run(args)
-            state = self._collect(exe.bucket, outs)
-            next_ids = sample(outs[0], temperature, top_p, gen)
-            stats.decode_s += time.perf_counter() - t0
-            stats.collective_s += collective_seconds() - c0
-            stats.decode_steps += 1
-        for i in range(n):
-            piece = streams[i].finish()
+        def listener(r: Request, piece: str) -> None:
             if piece and stream is not None:
-                stream(i, piece)
-        return generated
+                stream(index[r.id], piece)
+
+        requests = [Request(x, max_new_tokens, temperature, top_p, seed, listener=listener) for x in ids]
+        index.update({r.id: i for i, r in enumerate(requests)})
+        for r in requests:
+            scheduler.submit(r)
+        scheduler.run()
+        self.last_stats.first_token_s = min(r.first_token_at for r in requests) - start
+        return [r.generated for r in requests]
 
     def teacher_forced(self, ids: Sequence[int], n_prompt: int) -> list[StepResult]:
         """Prefill ids[:n_prompt] at batch 1, then decode ids[n_prompt:] one token per step (teacher
@@ -378,6 +312,18 @@ class Session:
             state_in = {spec.name: t[:1] for spec, t in zip(exe.bucket.inputs, args) if spec.name not in DATA_INPUTS}
             results.append(StepResult(outs[0][0], probes, seconds, state_in))
         return results
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """The prefill of one prompt as it runs alone: at the smallest batch bucket, right-padded to
+        the smallest prefill bucket holding it. Returns (logits [vocab] fp32 after the prompt's last
+        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
+        [batch, H] int64 or None). Raises UserError when the prompt exceeds the largest prefill
+        bucket (runtime_min/select.py pick_prefill)."""
+        batch = select.pick_batch(self.batch_sizes, 1)
+        seq_len = select.pick_prefill(self._lengths("prefill", batch), len(ids))
+        exe, args, history = self._prefill_call([list(ids)], batch, seq_len)
+        outs = exe.run(args)
+        return outs[0][0], self._collect(exe.bucket, outs), history
 
     def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
         """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch,

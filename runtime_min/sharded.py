@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -112,11 +114,13 @@ def _spawned(rank: int, args: dict[str, Any], messages) -> None:
 
 
 def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any], out: Out,
-           verify_key: Path | None = None) -> None:
+           verify_key: Path | None = None, term_to_rank0: bool = False) -> None:
     """Run `job` on every rank of the sharded bundle `root` (module docstring); rank 0's output goes
-    to out(stream, text). Raises BundleError for a torchrun world size that is not the bundle's, a
-    rank's UserError as its own (every rank meets the same bad input), RankFailed naming each rank
-    that failed otherwise."""
+    to out(stream, text). term_to_rank0: a SIGTERM of this process is passed to rank 0 alone,
+    which ends the job for every rank (`dsneuron serve` drains), instead of stopping the ranks.
+    Raises BundleError for a torchrun world size that is not the bundle's, a rank's UserError as
+    its own (every rank meets the same bad input), RankFailed naming each rank that failed
+    otherwise."""
     import torch.multiprocessing as mp
 
     env = os.environ
@@ -136,6 +140,9 @@ def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any
     procs = [ctx.Process(target=_spawned, args=(r, args, messages)) for r in range(sharded.world)]
     errors: dict[int, tuple[bool, str]] = {}
     stopped: set[int] = set()  # ranks this process terminated: they did not fail by themselves
+    previous = None
+    if term_to_rank0 and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: procs[0].pid and os.kill(procs[0].pid, signal.SIGTERM))
     try:
         for p in procs:
             p.start()
@@ -153,6 +160,8 @@ def launch(root: Path, sharded: ShardedManifest, job: Job, kwargs: dict[str, Any
             else:
                 errors[msg[1]] = (msg[2], msg[3])
     finally:  # after a success every rank has exited; else the survivors wait for the failed one
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for r, p in enumerate(procs):
             if p.is_alive():
                 p.terminate()

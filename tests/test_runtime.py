@@ -16,7 +16,8 @@ from dsneuron import UserError
 from dsneuron.runtime_min.sampling import check_params, check_seed, sample
 from dsneuron.runtime_min.schema import BundleError, TensorSpec
 from dsneuron.runtime_min.schema import SEAL, content_sha256
-from dsneuron.runtime_min.session import Session, TextStream, check_context, resize_state
+from dsneuron.runtime_min.scheduler import TextStream, check_context
+from dsneuron.runtime_min.session import Session, resize_state
 
 
 @pytest.fixture(scope="module")
@@ -140,9 +141,10 @@ def test_context_rule_edges(prompt_len, new, fits):
             check_context(prompt_len, new, 16)
 
 
-def test_too_many_prompts(session):
-    with pytest.raises(UserError, match=r"3 prompts exceed the largest batch bucket of this bundle \(2"):
-        session.generate(["a", "b", "c"], max_new_tokens=1)
+def test_more_prompts_than_the_largest_batch_bucket_queue(session):
+    """3 prompts on a bundle of batch 2: the third waits for a free row (runtime_min/scheduler.py)."""
+    assert session.generate(["a", "b", "c"], max_new_tokens=3) == [session.generate(p, max_new_tokens=3)
+                                                                  for p in ("a", "b", "c")]
 
 
 def test_bad_sampling_values(session):

@@ -1,0 +1,454 @@
+"""Continuous batching over a bundle's batch buckets: the one decode loop of runtime_min.
+
+    scheduler = Scheduler(session, max_queue=64)
+    req = scheduler.submit(Request(session.encode("Hello"), max_tokens=32, listener=on_output))
+    while scheduler.busy:
+        scheduler.step()
+
+`Session.generate` runs its prompts through a Scheduler, and `dsneuron serve` runs one in an engine
+thread (runtime_min/server.py). No HTTP here; the split follows nano-vllm's engine (STYLE.md 6): a
+request carries its own tokens, limits and sampler, the scheduler keeps a bounded waiting queue and
+the rows of the batch buckets.
+
+One step:
+1. requests cancelled since the last step end (finish_reason "abort"): a waiting one leaves the
+   queue, a running one frees its row;
+2. waiting requests are admitted in arrival order while a row is free (the largest decode batch
+   bucket bounds the rows): each runs a prefill of its own at the smallest batch bucket (batch 1
+   where the bundle has it; other rows are filler), whose logits give its first token and whose
+   state row 0 (and engram history row) is copied into the next row;
+3. one decode over the active rows at the smallest batch bucket holding them: rows 0..n-1, each
+   feeding its last token at its own position (prompt + generated - 1), at the smallest context
+   capacity holding every row's position (Session._decode_call). A row is freed the moment its
+   request ends, and the last row moves into its place so the active rows stay at the front.
+
+Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
+(same batch bucket, its own padded length); a decode row reads and writes only its own state
+row; the cpu target's kernels have a fixed order of operations whatever the batch and row
+(README "How the cpu target runs a model"); its sampler is its own torch.Generator seeded with
+its seed. tests/test_scheduler.py checks it bit for bit.
+
+A request ends at EOS (not part of its text; finish_reason "stop"), at a stop string (its text cut
+before the string, as the OpenAI API's `stop`; "stop"), at max_tokens ("length"), by `cancel`
+("abort"), or with an error of a step it was in ("error", `Request.error`).
+
+Streaming: `listener(request, piece)` is called after every token a request samples (piece: the
+text that became final, possibly ""), and once when it ends, with `finish_reason` set. Text that
+could be the start of a stop string is held back until it cannot, so the pieces concatenate to
+the final text. Threads: `submit`, `cancel`, `close` and the counters may be used from any
+thread; `step` from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from dsneuron import UserError
+
+from . import select
+from .sampling import check_params, check_seed, sample
+from .collectives import collective_seconds
+
+if TYPE_CHECKING:
+    from .session import GenerationStats, Session
+
+#: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
+MAX_STOP = 4
+
+Listener = Callable[["Request", str], None]
+
+
+class TextStream:
+    """Incremental detokenisation of one request: `push` a token id, get the text that became final.
+    A tail that decodes to U+FFFD (an incomplete UTF-8 byte sequence) is held back until it completes
+    or `finish` flushes it. `decode(ids) -> str` is the tokenizer's."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        """Add one id; returns the text that became final (possibly "")."""
+        self.ids.append(token)
+        text = self._decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        piece, self.emitted = text[len(self.emitted):], text
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text (including held-back replacement characters of an invalid tail)."""
+        text = self._decode(self.ids)
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece
+
+
+def check_context(prompt_len: int, max_new_tokens: int, capacity: int, name: str = "max_new_tokens") -> None:
+    """UserError naming the limit unless a prompt of `prompt_len` tokens can generate
+    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 <= capacity
+    (module docstring: the last new token is never fed back, so it takes no position). `name`: the
+    parameter's name in the message (max_tokens for the OpenAI API)."""
+    needed = prompt_len + max_new_tokens - 1
+    if needed > capacity:
+        raise UserError(f"prompt of {prompt_len} tokens + {name} {max_new_tokens} needs {needed} positions "
+                        f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
+                        f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
+                        f"{name} <= {capacity - prompt_len + 1}")
+
+
+class RequestError(UserError):
+    """A request the bundle cannot run; `param` names the field at fault (OpenAI error `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(UserError):
+    """The waiting queue holds `max_queue` requests already (the server answers 429)."""
+
+
+class Closed(UserError):
+    """The scheduler admits no new request (`close`: the server is shutting down; 503)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. prompt_ids: token ids (BOS included when wanted, `Session.encode`);
+    max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/sampling.py (seed
+    None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty).
+
+    Filled in as it runs: `generated` (token ids, EOS excluded), `text` (final text so far),
+    `sampled` (tokens sampled, EOS included: the OpenAI usage's completion_tokens), `finish_reason`
+    ("stop", "length", "abort", "error" or None while running), `error`, and perf_counter times
+    `arrival` (submit), `first_token_at`, `finished_at`.
+    """
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    listener: Listener | None = None
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    generated: list[int] = field(default_factory=list, init=False)
+    text: str = field(default="", init=False)
+    sampled: int = field(default=0, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    arrival: float = field(default=0.0, init=False)
+    first_token_at: float | None = field(default=None, init=False)
+    finished_at: float | None = field(default=None, init=False)
+    cancelled: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        self.stop = tuple(self.stop)
+        self._generator = torch.Generator()
+        self._stream: TextStream | None = None
+        self._pending = ""  # final text held back: it may be the start of a stop string
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _take(self, piece: str, last: bool) -> str:
+        """Add final text; returns what can be emitted now. At the first stop string the request
+        ends ("stop") and the text is cut before it; otherwise, unless `last`, the longest tail
+        that could still grow into a stop string is held back."""
+        self._pending += piece
+        if self.stop:
+            hits = [i for i in (self._pending.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                out, self._pending = self._pending[:min(hits)], ""
+                self.finish_reason = "stop"
+                return out
+        hold = 0
+        if not last and self.stop:
+            for k in range(min(max(map(len, self.stop)) - 1, len(self._pending)), 0, -1):
+                if any(s.startswith(self._pending[-k:]) for s in self.stop):
+                    hold = k
+                    break
+        cut = len(self._pending) - hold
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out
+
+
+class Scheduler:
+    """Continuous batching of `Request`s over a loaded Session (module docstring).
+
+    max_queue: waiting requests at most (None: no bound, for a caller that submits a known list);
+    stats: a GenerationStats that the steps add their times to (Session.generate's last_stats).
+    """
+
+    def __init__(self, session: "Session", max_queue: int | None = None, stats: "GenerationStats | None" = None):
+        if max_queue is not None and max_queue < 1:
+            raise UserError(f"max_queue must be a positive integer, got {max_queue}")
+        self.session = session
+        self.max_queue = max_queue
+        self.stats = stats
+        self.decode_batches = sorted({b.batch for b in session.manifest.buckets if b.kind == "decode"})
+        self.max_rows = max(self.decode_batches)
+        self.prefill_batch = select.pick_batch(session.batch_sizes, 1)
+        self.vocab_size = session.vocab_size
+        self._lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # row i holds _running[i]
+        self._state: dict[str, torch.Tensor] = {}  # each [batch >= rows, ...]
+        self._history: torch.Tensor | None = None  # engram history [batch, H] of the same rows
+        self._accepting = True
+        #: set whenever there is work; an engine thread may wait on it when idle
+        self.wake = threading.Event()
+
+    # ------------------------------------------------------------------ requests
+    def check(self, r: Request) -> None:
+        """RequestError naming the field and the limit unless the bundle can run `r`: prompt ids
+        1..(largest prefill bucket) ids within the vocabulary, max_tokens a positive integer within
+        the context capacity (session.check_context), sampling values and seed as sampling.py,
+        stop at most MAX_STOP non-empty strings."""
+        ids = r.prompt_ids
+        if not ids:
+            raise RequestError("the prompt is empty; a prompt needs at least one token", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in 0..{self.vocab_size - 1} (the vocabulary)",
+                               "prompt")
+        try:
+            select.pick_prefill(self.session.prefill_lengths(self.prefill_batch), len(ids))
+        except UserError as e:
+            raise RequestError(str(e), "prompt") from None
+        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {r.max_tokens!r}", "max_tokens")
+        try:
+            check_context(len(ids), r.max_tokens, self.session.max_capacity, name="max_tokens")
+        except UserError as e:
+            raise RequestError(str(e), "max_tokens") from None
+        for name, check in (("temperature", lambda: check_params(r.temperature, 1.0)),
+                            ("top_p", lambda: check_params(0.0, r.top_p)), ("seed", lambda: check_seed(r.seed))):
+            try:
+                check()
+            except (UserError, TypeError) as e:
+                raise RequestError(str(e), name) from None
+        if len(r.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in r.stop):
+            raise RequestError(f"stop must be at most {MAX_STOP} non-empty strings, got {list(r.stop)!r}", "stop")
+
+    def submit(self, r: Request) -> Request:
+        """Queue `r` (after `check`); returns it. Raises RequestError, QueueFull when max_queue
+        requests wait already, Closed after `close`."""
+        self.check(r)
+        if r.seed is None:
+            r._generator.seed()
+        else:
+            r._generator.manual_seed(r.seed)
+        r._stream = TextStream(self.session.decode)
+        with self._lock:
+            if not self._accepting:
+                raise Closed("the server is shutting down and admits no new request")
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later")
+            r.arrival = time.perf_counter()
+            self._waiting.append(r)
+        self.wake.set()
+        return r
+
+    def cancel(self, r: Request) -> None:
+        """End `r` at the next step ("abort"), freeing its row; nothing for an ended request."""
+        r.cancelled = True
+        self.wake.set()
+
+    def close(self) -> None:
+        """Admit no new request (submit raises Closed); the queued and running ones go on."""
+        with self._lock:
+            self._accepting = False
+
+    def cancel_all(self) -> None:
+        """Cancel every waiting and running request (each ends "abort" at the next step)."""
+        with self._lock:
+            for r in [*self._waiting, *self._running]:
+                r.cancelled = True
+        self.wake.set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> None:
+        """One step (module docstring). An exception of a prefill ends that request ("error") and
+        one of a decode ends every running request ("error", their rows freed) before it is
+        re-raised: the scheduler stays usable."""
+        self._reap()
+        self._admit()
+        if self._running:
+            self._decode()
+        if not self.busy:
+            self.wake.clear()
+
+    def run(self) -> None:
+        """Step until no request waits or runs."""
+        while self.busy:
+            self.step()
+
+    def _reap(self) -> None:
+        with self._lock:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            self._end(r, "abort")
+        for r in [r for r in self._running if r.cancelled]:
+            self._free(r)
+            self._end(r, "abort")
+
+    def _admit(self) -> None:
+        s = self.session
+        while len(self._running) < self.max_rows:
+            with self._lock:
+                if not self._waiting:
+                    return
+                r = self._waiting.popleft()
+            t0 = time.perf_counter()
+            try:
+                logits, state, history = s.prefill(r.prompt_ids)
+            except BaseException as e:
+                self._end(r, "error", f"{type(e).__name__}: {e}")
+                raise
+            if self.stats is not None:
+                self.stats.prefill_s += time.perf_counter() - t0
+            self._accept(r, int(sample(logits[None], r.temperature, r.top_p, r._generator)[0]))
+            if not r.finished:
+                self._place(r, state, history)
+
+    def _place(self, r: Request, state: dict[str, torch.Tensor], history: torch.Tensor | None) -> None:
+        """Copy row 0 of a prefill's state (and engram history) into the next free row."""
+        n = len(self._running)
+        rows = select.first_fit(self.decode_batches, n + 1)
+        if n == 0:
+            self._state = {k: _grow(v[:1], (rows, *v.shape[1:]), self._fill(k)) for k, v in state.items()}
+            self._history = None if history is None else _grow(history[:1], (rows, history.shape[1]), self._pad_id)
+        else:
+            for k, v in state.items():
+                cur = self._state[k]
+                # the prefill and the running rows may sit at different capacities: both go to the larger
+                shape = (max(rows, cur.shape[0]), *(max(a, b) for a, b in zip(cur.shape[1:], v.shape[1:])))
+                cur = self._state[k] = _grow(cur, shape, self._fill(k))
+                cur[n].copy_(_grow(v[:1], (1, *shape[1:]), self._fill(k))[0])
+            if history is not None:
+                self._history = _grow(self._history, (max(rows, self._history.shape[0]), history.shape[1]), self._pad_id)
+                self._history[n].copy_(history[0])
+        self._running.append(r)
+
+    def _decode(self) -> None:
+        s = self.session
+        n = len(self._running)
+        batch = select.first_fit(self.decode_batches, n)
+        self._fit_rows(batch)
+        feed = torch.full((batch, 1), s.manifest.tokenizer.pad_token_id, dtype=torch.int64)
+        pos = torch.zeros(batch, dtype=torch.int64)
+        for i, r in enumerate(self._running):
+            feed[i, 0] = r.generated[-1]
+            pos[i] = len(r.prompt_ids) + len(r.generated) - 1
+        t0, c0 = time.perf_counter(), collective_seconds()
+        try:
+            exe, args, self._history = s._decode_call(feed, pos, self._history, self._state)
+            outs = exe.run(args)
+        except BaseException as e:
+            for r in list(self._running):
+                self._end(r, "error", f"{type(e).__name__}: {e}")
+            self._running, self._state, self._history = [], {}, None
+            raise
+        self._state = s._collect(exe.bucket, outs)
+        for i, r in enumerate(self._running):
+            self._accept(r, int(sample(outs[0][i:i + 1], r.temperature, r.top_p, r._generator)[0]))
+        if self.stats is not None:
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.collective_s += collective_seconds() - c0
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += n
+        for r in [r for r in self._running if r.finished]:
+            self._free(r)
+
+    def _fit_rows(self, batch: int) -> None:
+        """The running state at exactly `batch` rows (the active ones are rows 0..n-1)."""
+        for k, v in self._state.items():
+            self._state[k] = v[:batch] if v.shape[0] >= batch else _grow(v, (batch, *v.shape[1:]), self._fill(k))
+        if self._history is not None:
+            h = self._history
+            self._history = h[:batch] if h.shape[0] >= batch else _grow(h, (batch, h.shape[1]), self._pad_id)
+
+    def _free(self, r: Request) -> None:
+        """Free r's row: the last row moves into it."""
+        i, last = self._running.index(r), len(self._running) - 1
+        if i != last:
+            for v in self._state.values():
+                v[i].copy_(v[last])
+            if self._history is not None:
+                self._history[i].copy_(self._history[last])
+            self._running[i] = self._running[last]
+        self._running.pop()
+
+    # ------------------------------------------------------------------ outputs
+    def _accept(self, r: Request, token: int) -> None:
+        r.sampled += 1
+        if r.first_token_at is None:
+            r.first_token_at = time.perf_counter()
+        if token == self.session.manifest.tokenizer.eos_token_id:
+            self._end(r, "stop")
+            return
+        r.generated.append(token)
+        piece = r._take(r._stream.push(token), last=False)
+        if r.finished:  # a stop string
+            self._end(r, "stop", prefix=piece)
+        elif len(r.generated) >= r.max_tokens:
+            self._end(r, "length", prefix=piece)
+        else:
+            self._emit(r, piece)
+
+    def _end(self, r: Request, reason: str, error: str | None = None, prefix: str = "") -> None:
+        """End r: flush its held-back text (none after a stop string or an error) and tell its
+        listener. A stop string found in the flushed text makes the reason "stop"."""
+        piece = prefix
+        if r.finish_reason is None and reason != "error":
+            piece += r._take(r._stream.finish(), last=True)
+        r.finish_reason = r.finish_reason or reason
+        r.error = error
+        r.finished_at = time.perf_counter()
+        self._emit(r, piece)
+
+    def _emit(self, r: Request, piece: str) -> None:
+        r.text += piece
+        if r.listener is not None:
+            r.listener(r, piece)
+
+    def _fill(self, name: str) -> float:
+        return self.session.fills[name].fill
+
+    @property
+    def _pad_id(self) -> int:
+        return self.session.hasher.pad_id
+
+
+def _grow(t: torch.Tensor, shape: Sequence[int], fill: float) -> torch.Tensor:
+    """`t` in a tensor of `shape` (every dimension >= t's), the rest `fill`; `t` itself if equal.
+    Growing a capacity dimension appends unused rows, as schema.py's state rule allows."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    out = torch.full(tuple(shape), fill, dtype=t.dtype)
+    out[tuple(slice(0, d) for d in t.shape)] = t
+    return out

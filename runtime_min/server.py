@@ -1,0 +1,518 @@
+"""`dsneuron serve`: the OpenAI HTTP API over the scheduler (FastAPI on uvicorn).
+
+    serve(session, host="127.0.0.1", port=8000, max_queue=128, api_key=None, model_name="artifacts")
+
+Endpoints (OpenAI API reference; runtime_min/openai_protocol.py for the bodies):
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/chat.py: the
+DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200, 503 while
+shutting down); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
+tokens, finished requests by reason, rejected requests by status, time to first token, inter-token
+latency and request latency histograms).
+
+Requests become runtime_min/scheduler.py Requests, stepped by one engine thread (`Engine`); each
+HTTP request waits on an asyncio queue that the engine's listener fills. Errors answer in the
+OpenAI format ({"error": {message, type, param, code}}): 400 for a bad body (malformed JSON, a
+body over MAX_BODY bytes, an unknown model, a bad field, a prompt or max_tokens past the context),
+401 for a missing or wrong API key (the /v1 routes, when a key is set), 404 for an unknown path,
+429 when max_queue requests wait already, 503 while shutting down. An error is one request's: it
+never reaches the rows of the others.
+
+A client that disconnects cancels its requests: their rows are freed at the next step. SIGTERM
+stops admitting (503), lets the queued and running requests finish for `grace` seconds, then ends
+the rest (finish_reason "abort", streams closed with their final chunk) and returns, so the
+command exits 0. This module and its imports (fastapi, uvicorn, prometheus_client) are loaded by
+the `serve` command only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from . import chat
+from .openai_protocol import ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists, usage
+from .scheduler import Closed, QueueFull, Request, RequestError, Scheduler
+from .session import Session
+
+log = logging.getLogger("dsneuron.serve")
+
+#: request bodies larger than this are refused (400): 4 MiB holds a prompt of the largest context
+#: (65536 tokens) even at 6 bytes a character of JSON-escaped text, with room to spare
+MAX_BODY = 4 * 2**20
+#: seconds between checks that a client waiting for a whole (non-streamed) response is still there
+POLL_S = 0.25
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0)
+
+
+class Metrics:
+    """The Prometheus metrics of one server, in a registry of its own."""
+
+    def __init__(self, scheduler: Scheduler):
+        r = self.registry = CollectorRegistry()
+        Gauge("dsneuron_num_requests_waiting", "Requests in the queue, not yet admitted to a row",
+              registry=r).set_function(lambda: scheduler.waiting)
+        Gauge("dsneuron_num_requests_running", "Requests decoding in a row of the batch buckets",
+              registry=r).set_function(lambda: scheduler.running)
+        self.prompt_tokens = Counter("dsneuron_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("dsneuron_generation_tokens", "Tokens sampled (EOS included)", registry=r)
+        self.finished = Counter("dsneuron_request_finished", "Requests ended, by finish_reason", ["finished_reason"],
+                                registry=r)
+        self.rejected = Counter("dsneuron_request_rejected", "Requests refused, by HTTP status", ["status"], registry=r)
+        self.ttft = Histogram("dsneuron_time_to_first_token_seconds", "From arrival to the first token (queue wait "
+                              "and prefill)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dsneuron_inter_token_latency_seconds", "Between two tokens of one request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("dsneuron_e2e_request_latency_seconds", "From arrival to the end of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class Engine:
+    """The scheduler and the one thread that steps it.
+
+    Every change of the scheduler happens on that thread between two steps: `submit`, `cancel`
+    and the end of the grace period only queue an event, which the thread applies before its next
+    step. So the steps are a function of the ordered events, which is what lets the ranks of a
+    sharded bundle follow rank 0 (`channel`: rank 0 sends each step's events to the others,
+    `follow`)."""
+
+    def __init__(self, session: Session, max_queue: int, channel: "Channel | None" = None):
+        self.scheduler = Scheduler(session)  # the engine bounds the queue: waiting + events not yet applied
+        self.session = session
+        self.max_queue = max_queue
+        self.metrics = Metrics(self.scheduler)
+        self.draining = False
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._events: list[tuple] = []
+        self._submitted = 0  # submit events in _events
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dsneuron-engine", daemon=True)
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, perf_counter of the last)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, r: Request) -> None:
+        """Queue `r` for the next step. Raises RequestError (Scheduler.check), QueueFull when
+        max_queue requests wait already, Closed while shutting down."""
+        self.scheduler.check(r)
+        with self._lock:
+            if self.draining or self._stop.is_set():
+                raise Closed("the server is shutting down and admits no new request")
+            if self.scheduler.waiting + self._submitted >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later")
+            self._events.append(("submit", r))
+            self._submitted += 1
+        self.scheduler.wake.set()
+
+    def cancel(self, r: Request) -> None:
+        """End `r` at the next step ("abort")."""
+        self._event(("cancel", r))
+
+    def drain(self, grace: float) -> None:
+        """Stop admitting; end whatever still runs after `grace` seconds."""
+        with self._lock:
+            if self.draining:
+                return
+            self.draining = True
+        timer = threading.Timer(grace, self._event, [("cancel_all",)])
+        timer.daemon = True
+        timer.start()
+
+    def stop(self) -> None:
+        """End every request, then the engine thread (and the followers of a sharded bundle)."""
+        self._event(("cancel_all",))
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def _event(self, ev: tuple) -> None:
+        with self._lock:
+            self._events.append(ev)
+        self.scheduler.wake.set()
+
+    def _loop(self) -> None:
+        s = self.scheduler
+        idle_since = time.monotonic()
+        while True:
+            with self._lock:
+                events, self._events, self._submitted = self._events, [], 0
+            stopping = self._stop.is_set()
+            if not events and not s.busy and not stopping:
+                s.wake.wait(0.1)
+                if self._channel is not None and time.monotonic() - idle_since > HEARTBEAT_S:
+                    self._channel.send([])  # else the followers' collective would time out
+                    idle_since = time.monotonic()
+                continue
+            if self._channel is not None:
+                self._channel.send([_wire(ev) for ev in events], stop=stopping and not s.busy)
+            apply(s, events)
+            if stopping and not s.busy:
+                return
+            if s.busy:
+                try:
+                    s.step()
+                except Exception:  # the step's requests have ended with "error"; the others go on
+                    log.exception("a scheduler step failed")
+            idle_since = time.monotonic()
+
+    def listener(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> Callable[[Request, str], None]:
+        """A Request listener (engine thread) that records metrics and puts (index, piece, request)
+        on `queue` in `loop`."""
+        m = self.metrics
+
+        def on_output(r: Request, piece: str) -> None:
+            now = time.perf_counter()
+            count, last = self._seen.get(r.id, (0, None))
+            if r.sampled > count:
+                m.generation_tokens.inc(r.sampled - count)
+                if last is None:
+                    m.ttft.observe(r.first_token_at - r.arrival)
+                else:
+                    m.itl.observe(now - last)
+                self._seen[r.id] = (r.sampled, now)
+            if r.finished:
+                self._seen.pop(r.id, None)
+                m.finished.labels(r.finish_reason).inc()
+                m.e2e.observe(r.finished_at - r.arrival)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, piece, r))
+
+        return on_output
+
+
+def apply(s: Scheduler, events: list[tuple]) -> None:
+    """Apply engine events to a scheduler: ("submit", Request), ("cancel", Request), ("cancel_all",)."""
+    for ev in events:
+        if ev[0] == "submit":
+            try:
+                s.submit(ev[1])
+            except RequestError:  # Engine.submit checked it already; a follower meets the same
+                pass
+        elif ev[0] == "cancel":
+            s.cancel(ev[1])
+        else:
+            s.cancel_all()
+
+
+#: seconds an idle rank 0 waits before telling the followers it is still there
+HEARTBEAT_S = 60.0
+
+
+def _wire(ev: tuple) -> tuple:
+    """An event as plain data for the other ranks (Requests become their fields)."""
+    if ev[0] == "submit":
+        r = ev[1]
+        return ("submit", {"prompt_ids": r.prompt_ids, "max_tokens": r.max_tokens, "temperature": r.temperature,
+                           "top_p": r.top_p, "seed": r.seed, "stop": list(r.stop), "id": r.id})
+    if ev[0] == "cancel":
+        return ("cancel", ev[1].id)
+    return ev
+
+
+class Channel:
+    """Rank 0's engine events to the other ranks of a sharded bundle (torch.distributed broadcast
+    from rank 0, over the process group runtime_min/sharded.py set up)."""
+
+    def send(self, events: list[tuple], stop: bool = False) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([{"events": events, "stop": stop}], src=0)
+
+    def recv(self) -> dict:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def follow(session: Session, channel: Channel) -> None:
+    """A rank other than 0 of a sharded bundle: apply rank 0's events, then step whenever requests
+    wait or run, as rank 0 does after the same events (so the executables' collectives meet),
+    until rank 0 says stop. The seeds come from rank 0 and the logits are gathered, so every rank
+    samples the same tokens and its scheduler stays rank 0's."""
+    s = Scheduler(session)
+    live: dict[str, Request] = {}
+    while True:
+        msg = channel.recv()
+        events = []
+        for ev in msg["events"]:
+            if ev[0] == "submit":
+                r = live[ev[1]["id"]] = Request(**ev[1])
+                events.append(("submit", r))
+            elif ev[0] == "cancel":
+                if ev[1] in live:
+                    events.append(("cancel", live[ev[1]]))
+            else:
+                events.append(ev)
+        apply(s, events)
+        if msg["stop"]:
+            return
+        if s.busy:
+            try:
+                s.step()
+            except Exception:
+                log.exception("a scheduler step failed")
+        for rid in [rid for rid, r in live.items() if r.finished]:
+            del live[rid]
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app of `engine` serving `model_name` (module docstring)."""
+    app = FastAPI(title="dsneuron", docs_url=None, redoc_url=None, openapi_url=None)
+    session = engine.session
+    metrics = engine.metrics
+
+    def fail(e: ProtocolError) -> JSONResponse:
+        metrics.rejected.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return fail(ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, type=kind))
+
+    def check_key(request: HTTPRequest) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not (got.startswith("Bearer ") and secrets.compare_digest(got[7:].encode(), api_key.encode())):
+            raise ProtocolError("missing or wrong API key: send the header Authorization: Bearer <key> with the "
+                                "key given to `dsneuron serve --api-key`", 401, code="invalid_api_key")
+
+    async def read_json(request: HTTPRequest) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise ProtocolError(f"the request body has {int(size)} bytes; the limit is {MAX_BODY} bytes", param="body",
+                                code="body_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise ProtocolError(f"the request body exceeds the limit of {MAX_BODY} bytes", param="body",
+                                    code="body_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ProtocolError(f"the request body is not valid JSON ({e})", param="body") from None
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ProtocolError(f"model {name!r} does not exist: this server serves {model_name!r} (GET /v1/models)",
+                                param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if engine.draining else 200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: HTTPRequest) -> JSONResponse:
+        try:
+            check_key(request)
+        except ProtocolError as e:
+            return fail(e)
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(started), "owned_by": "dsneuron",
+            "max_model_len": session.max_capacity}]})
+
+    started = time.time()
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest) -> Response:
+        return await _generate(request, chat_kind=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest) -> Response:
+        return await _generate(request, chat_kind=True)
+
+    async def _generate(request: HTTPRequest, chat_kind: bool) -> Response:
+        try:
+            check_key(request)
+            body = parse(ChatRequest if chat_kind else CompletionRequest, await read_json(request))
+            check_model(body.model)
+            prompts = _prompt_ids(body, chat_kind)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            reqs = _requests(body, prompts, chat_kind, loop, queue)
+        except ProtocolError as e:
+            return fail(e)
+        submitted: list[Request] = []
+        try:
+            for r in reqs:
+                engine.submit(r)
+                submitted.append(r)
+        except (RequestError, QueueFull, Closed) as e:
+            for r in submitted:
+                engine.cancel(r)
+            if isinstance(e, RequestError):
+                return fail(ProtocolError(str(e), param=e.param))
+            if isinstance(e, QueueFull):
+                return fail(ProtocolError(str(e), 429, type="rate_limit_error", code="queue_full"))
+            return fail(ProtocolError(str(e), 503, type="service_unavailable", code="shutting_down"))
+        metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        reply = Reply(model_name, chat_kind)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(reply, reqs, queue, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _whole(request, reply, reqs, queue)
+
+    def _prompt_ids(body: Any, chat_kind: bool) -> list[list[int]]:
+        if chat_kind:
+            try:
+                text = chat.render(body.messages)
+            except chat.ChatError as e:
+                raise ProtocolError(str(e), param=e.param) from None
+            return [[session.manifest.tokenizer.bos_token_id] + session.tokenizer.encode(text, add_special_tokens=False).ids]
+        out = []
+        for i, p in enumerate(prompt_lists(body.prompt)):
+            if isinstance(p, str):
+                if not p:
+                    raise ProtocolError(f"prompt{'' if len(out) == 0 and isinstance(body.prompt, str) else f'[{i}]'} "
+                                        "is empty; a prompt needs at least one character", param="prompt")
+                out.append(session.encode(p, i))
+            else:
+                out.append(p)
+        return out
+
+    def _requests(body: Any, prompts: list[list[int]], chat_kind: bool, loop, queue) -> list[Request]:
+        max_tokens = body.max_completion_tokens if chat_kind and body.max_completion_tokens is not None else body.max_tokens
+        out = []
+        for i, ids in enumerate(prompts):
+            n = max_tokens if max_tokens is not None else max(1, session.max_capacity - len(ids) + 1)
+            seed = body.seed if body.seed is not None else secrets.randbits(64)
+            out.append(Request(ids, n, body.temperature, body.top_p, seed, body.stops(),
+                               listener=engine.listener(loop, queue, i)))
+        return out
+
+    async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue) -> Response:
+        try:
+            while not all(r.finished for r in reqs):
+                try:
+                    await asyncio.wait_for(queue.get(), POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        for r in reqs:
+                            engine.cancel(r)
+                        return Response(status_code=499)  # nobody reads it
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    engine.cancel(r)
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            return fail(ProtocolError(f"generation failed: {failed[0].error}", 500, type="server_error"))
+        return JSONResponse(reply.full([r.text for r in reqs], [r.finish_reason for r in reqs],
+                                       usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
+
+    async def _stream(reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
+        def event(obj: dict) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        try:
+            if reply.chat:
+                yield event(reply.chunk(0, "", None, first=True))
+            while not all(r.finished for r in reqs):
+                index, piece, r = await queue.get()
+                if r.finish_reason == "error":
+                    yield event(ProtocolError(f"generation failed: {r.error}", 500, type="server_error").body())
+                    continue
+                if piece or r.finished:
+                    yield event(reply.chunk(index, piece, r.finish_reason if r.finished else None))
+            if include_usage:
+                yield event(reply.usage_chunk(usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the generator is closed) or all ended
+            for r in reqs:
+                if not r.finished:
+                    engine.cancel(r)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a graceful SIGTERM: drain the engine, then shut down; SIGTERM is not
+    raised again afterwards, so the command exits 0 (uvicorn re-raises the signals it caught)."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            self._on_exit()
+        if sig == signal.SIGTERM:
+            self.should_exit = True
+        else:
+            super().handle_exit(sig, frame)
+
+
+def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 128,
+          api_key: str | None = None, model_name: str = "dsneuron", grace: float = 30.0,
+          ready: Callable[[str], None] | None = None) -> None:
+    """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
+    a free one. ready(url) is called once the socket listens. Raises UserError for an address that
+    cannot be bound; after Ctrl-C the KeyboardInterrupt uvicorn raises again.
+
+    In a rank of a sharded bundle (a torch.distributed group of several processes,
+    runtime_min/sharded.py) rank 0 serves and the other ranks `follow` it."""
+    import torch.distributed as dist
+
+    channel = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        channel = Channel()
+        if dist.get_rank() != 0:
+            follow(session, channel)
+            return
+    engine = Engine(session, max_queue, channel)
+    app = create_app(engine, model_name, api_key)
+    sock = listen(host, port)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(grace) + 5)
+    server = _Server(config, lambda: engine.drain(grace))
+    engine.start()
+    try:
+        if ready is not None:
+            ready(f"http://{host}:{sock.getsockname()[1]}")
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening; UserError naming the address otherwise."""
+    from dsneuron import UserError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, IndexError) as e:
+        raise UserError(f"--host {host}: not an address of this host ({e})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using the port?)") from None
+    sock.set_inheritable(True)
+    return sock
