@@ -171,8 +171,9 @@ class Engine:
             idle_since = time.monotonic()
 
     def listener(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> Callable[[Request, str], None]:
-        """A Request listener (engine thread) that records metrics and puts (index, piece, request)
-        on `queue` in `loop`."""
+        """A Request listener (engine thread) that records metrics and puts (index, piece,
+        finish_reason) on `queue` in `loop`: the reason as it is at that call (None until the last
+        call), so a reader sees every piece before the end even when the request ended long ago."""
         m = self.metrics
 
         def on_output(r: Request, piece: str) -> None:
@@ -189,7 +190,7 @@ class Engine:
                 self._seen.pop(r.id, None)
                 m.finished.labels(r.finish_reason).inc()
                 m.e2e.observe(r.finished_at - r.arrival)
-            loop.call_soon_threadsafe(queue.put_nowait, (index, piece, r))
+            loop.call_soon_threadsafe(queue.put_nowait, (index, piece, r.finish_reason))
 
         return on_output
 
@@ -405,9 +406,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue) -> Response:
         try:
-            while not all(r.finished for r in reqs):
+            pending = len(reqs)
+            while pending:
                 try:
-                    await asyncio.wait_for(queue.get(), POLL_S)
+                    _, _, reason = await asyncio.wait_for(queue.get(), POLL_S)
+                    pending -= reason is not None
                 except TimeoutError:
                     if await request.is_disconnected():
                         for r in reqs:
@@ -430,13 +433,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         try:
             if reply.chat:
                 yield event(reply.chunk(0, "", None, first=True))
-            while not all(r.finished for r in reqs):
-                index, piece, r = await queue.get()
-                if r.finish_reason == "error":
-                    yield event(ProtocolError(f"generation failed: {r.error}", 500, type="server_error").body())
-                    continue
-                if piece or r.finished:
-                    yield event(reply.chunk(index, piece, r.finish_reason if r.finished else None))
+            pending = len(reqs)
+            while pending:
+                index, piece, reason = await queue.get()
+                pending -= reason is not None
+                if reason == "error":
+                    yield event(ProtocolError(f"generation failed: {reqs[index].error}", 500, type="server_error").body())
+                elif piece or reason is not None:
+                    yield event(reply.chunk(index, piece, reason))
             if include_usage:
                 yield event(reply.usage_chunk(usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
             yield "data: [DONE]\n\n"

@@ -343,6 +343,25 @@ def shared_bundle() -> tuple[Path, Kit]:
     return _SHARED["bundle"]
 
 
+# The plan of the served stand-in (tests/test_server.py): batch buckets 1, 2 and 4, a prefill bucket
+# that holds a short chat prompt of the byte tokenizer, and room to generate.
+SERVE_COMPILE = {"max_seq_len": 128, "batch_sizes": [1, 2, 4], "prefill_seq_lens": [64], "decode_context_lens": [128]}
+
+
+def serve_bundle() -> tuple[Path, Kit]:
+    """The stand-in compiled with SERVE_COMPILE once per test process (6 AOTInductor compiles,
+    about a minute on an idle 2-core host), shared read-only like `shared_bundle`; its folder is
+    named `bundle`, the model name `dsneuron serve` gives it."""
+    if "serve" not in _SHARED:
+        root = Path(tempfile.mkdtemp(prefix="dsneuron-stand-in-serve-"))
+        atexit.register(shutil.rmtree, root, True)
+        kit = make_kit(root, SERVE_COMPILE)
+        out = compile_bundle(kit.model_cfg, kit.compile_cfg, root / "bundle", kit.parts, cache_dir=root / "cache",
+                             console=Console(file=io.StringIO()))
+        _SHARED["serve"] = (out, kit)
+    return _SHARED["serve"]
+
+
 def run_cli(monkeypatch, *args) -> int:
     """Run `dsneuron ARGS` in-process through the console-script entry point; returns its exit code."""
     import sys
