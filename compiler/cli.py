@@ -339,8 +339,8 @@ def serve_cmd(
                                                "DSNEURON_API_KEY)"),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                                     help="the model name clients send [default: the bundle folder's name]"),
-    grace_period: float = typer.Option(30.0, "--grace-period", help="seconds SIGTERM lets in-flight requests finish "
-                                                                     "before ending them"),
+    grace_period: float = typer.Option(30.0, "--grace-period", help="seconds from SIGTERM to exit: in-flight requests "
+                                                                     "finish or are ended 2 s before it is over"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,

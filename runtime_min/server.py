@@ -18,7 +18,8 @@ body over MAX_BODY bytes, an unknown model, a bad field, a prompt or max_tokens 
 never reaches the rows of the others.
 
 A client that disconnects cancels its requests: their rows are freed at the next step. SIGTERM
-stops admitting (503), lets the queued and running requests finish for `grace` seconds, then ends
+stops admitting (503), lets the queued and running requests finish until SHUTDOWN_S before `grace`
+seconds are over (a Kubernetes-style grace period: the process is gone within it), then ends
 the rest (finish_reason "abort", streams closed with their final chunk) and returns, so the
 command exits 0. This module and its imports (fastapi, uvicorn, prometheus_client) are loaded by
 the `serve` command only.
@@ -53,6 +54,8 @@ log = logging.getLogger("dsneuron.serve")
 #: request bodies larger than this are refused (400): 4 MiB holds a prompt of the largest context
 #: (65536 tokens) even at 6 bytes a character of JSON-escaped text, with room to spare
 MAX_BODY = 4 * 2**20
+#: seconds of the grace period kept for the step in flight, the closing streams and the shutdown
+SHUTDOWN_S = 2.0
 #: seconds between checks that a client waiting for a whole (non-streamed) response is still there
 POLL_S = 0.25
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
@@ -125,12 +128,13 @@ class Engine:
         self._event(("cancel", r))
 
     def drain(self, grace: float) -> None:
-        """Stop admitting; end whatever still runs after `grace` seconds."""
+        """Stop admitting; end whatever still runs SHUTDOWN_S (or half the grace, if shorter)
+        before `grace` seconds are over, so the last step and the shutdown fit in it too."""
         with self._lock:
             if self.draining:
                 return
             self.draining = True
-        timer = threading.Timer(grace, self._event, [("cancel_all",)])
+        timer = threading.Timer(max(0.0, grace - min(SHUTDOWN_S, grace / 2)), self._event, [("cancel_all",)])
         timer.daemon = True
         timer.start()
 

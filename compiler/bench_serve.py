@@ -1,0 +1,303 @@
+"""The serving benchmark: `dsneuron serve` under concurrent OpenAI clients, from one run.
+
+    python -m dsneuron.compiler.bench_serve [--bundle B | --config tiny] [--work DIR] [--streams 8]
+        [--requests 64] [--clients 16] [--max-tokens 64] [--json OUT]
+
+Without --bundle it compiles --config with batch buckets 1, 2, 4 and 8 (one 128-token prefill
+bucket, one 512-token context capacity: continuous batching prefills at batch 1 and decodes at
+the smallest batch bucket holding the rows). Then, against one `dsneuron serve` child process on
+127.0.0.1, every client the official `openai` package, greedy:
+1. one stream: --max-tokens tokens; time to first token (TTFT), inter-token latency (ITL) and
+   decode tokens/s (tokens after the first over the time from the first to the last);
+2. --streams concurrent streams of the same length: aggregate decode tokens/s (all tokens after
+   each stream's first, over the time from the earliest first token to the latest last one) and
+   its ratio to the one stream's;
+3. load: --requests requests from --clients concurrent clients, prompts of 2..~120 tokens and
+   8..--max-tokens new tokens (a fixed mix), half streamed: requests/s, output tokens/s, TTFT,
+   ITL and end-to-end latency p50/p99, errors; then every request again alone (one at a time) and
+   the count of texts equal to their alone text;
+4. SIGTERM under the same load, one second in (server --grace-period 10): the exit code, the
+   seconds to exit, requests completed / ended by the grace period / hanging (a client still
+   waiting when the server is gone).
+The figures are from one run on this host, side by side; absolute times on a shared 2-core host
+are noisy, the ratios are what to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+#: the bucket plan the benchmark compiles (module docstring)
+SERVE_COMPILE = {"batch_sizes": [1, 2, 4, 8], "prefill_seq_lens": [128], "decode_context_lens": [512]}
+WORDS = ("the model serves text over HTTP to many clients at once while each request keeps its own row and "
+         "its own position in the batch buckets of the bundle").split()
+GRACE_S = 10.0
+
+
+def compile_serve_bundle(config: str, work: Path, console: Console) -> Path:
+    """--config with SERVE_COMPILE's buckets, compiled by the CLI into work/bundle (reused when
+    there); returns the bundle folder. Raises RuntimeError with the compiler's output on failure."""
+    from dsneuron.compiler.config import resolve_config_path
+
+    out = work / "bundle"
+    if (out / "manifest.json").is_file():
+        return out
+    raw = json.loads(resolve_config_path(config).read_text())
+    raw["compile"] = {**raw["compile"], **SERVE_COMPILE}
+    cfg = work / "serve-config.json"
+    cfg.write_text(json.dumps(raw, indent=1))
+    console.print(f"compiling {config} with batch buckets {SERVE_COMPILE['batch_sizes']} into {out} ...")
+    done = subprocess.run([sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "compile",
+                           "--config", str(cfg), "--out", str(out)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return out
+
+
+class Served:
+    """A `dsneuron serve` child on 127.0.0.1 with a free port; `url` its /v1 base URL."""
+
+    def __init__(self, bundle: Path, *flags: str):
+        cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "serve", str(bundle), "--port", "0",
+               "--max-queue", "1024", "--grace-period", str(GRACE_S), *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url, ready, self.log = "", threading.Event(), []
+
+        def drain():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if not self.url and " at http://" in line:
+                    self.url = line.split(" at ")[1].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(600) or not self.url:
+            self.proc.kill()
+            raise RuntimeError("the server did not start:\n" + "".join(self.log[-30:]))
+        self.model = self.client().models.list().data[0].id
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="none", timeout=600, max_retries=0)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(GRACE_S + 60)
+
+
+def stream_one(client, model: str, prompt: str, max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    """One greedy completion; its text, finish reason and perf_counter times of each text chunk
+    (streamed) or of the response (whole)."""
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        t = time.perf_counter()
+        return {"start": t0, "times": [t], "text": r.choices[0].text, "reason": r.choices[0].finish_reason,
+                "tokens": r.usage.completion_tokens, "end": t}
+    times, text, reason, tokens = [], [], None, 0
+    for c in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}):
+        if c.usage is not None:
+            tokens = c.usage.completion_tokens
+        if c.choices:
+            if c.choices[0].text:
+                times.append(time.perf_counter())
+                text.append(c.choices[0].text)
+            reason = c.choices[0].finish_reason or reason
+    return {"start": t0, "times": times, "text": "".join(text), "reason": reason, "tokens": tokens,
+            "end": time.perf_counter()}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def _decode_rate(rs: list[dict]) -> float:
+    """Tokens after each stream's first, over the earliest first token to the latest last one.
+    Text chunks stand for tokens: a chunk is one token's text except where a multi-byte
+    character spans tokens, so `tokens` from usage is the count."""
+    first = min(r["times"][0] for r in rs)
+    last = max(r["times"][-1] for r in rs)
+    return sum(r["tokens"] - 1 for r in rs) / (last - first) if last > first else float("nan")
+
+
+def _itl(rs: list[dict]) -> list[float]:
+    return [b - a for r in rs for a, b in zip(r["times"], r["times"][1:])]
+
+
+def mix(n: int, max_tokens: int) -> list[tuple[str, int]]:
+    """n (prompt, max_tokens) pairs: prompts of 1..~100 words, 8..max_tokens new tokens."""
+    out = []
+    for i in range(n):
+        words = 1 + (i * 37) % 100
+        out.append((" ".join(WORDS[(i + k) % len(WORDS)] for k in range(words)), 8 + (i * 13) % max(1, max_tokens - 7)))
+    return out
+
+
+def run(bundle: Path, streams: int, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
+    """The measurements of the module docstring; returns the figures."""
+    res: dict[str, Any] = {"bundle": str(bundle)}
+    served = Served(bundle)
+    try:
+        model, client = served.model, served.client()
+        prompt = " ".join(WORDS[:12])
+        stream_one(client, model, prompt, 4)  # loads the prefill and decode executables
+        one = stream_one(client, model, prompt, max_tokens)
+        res["single"] = {"ttft_s": one["times"][0] - one["start"], "itl_p50_s": _pct(_itl([one]), 50),
+                         "decode_tps": _decode_rate([one]), "tokens": one["tokens"]}
+        with ThreadPoolExecutor(streams) as pool:
+            many = list(pool.map(lambda i: stream_one(served.client(), model, " ".join(WORDS[i:i + 12]), max_tokens),
+                                 range(streams)))
+        res["concurrent"] = {"streams": streams, "decode_tps": _decode_rate(many), "itl_p50_s": _pct(_itl(many), 50),
+                             "tokens": sum(r["tokens"] for r in many)}
+        res["concurrent"]["ratio"] = res["concurrent"]["decode_tps"] / res["single"]["decode_tps"]
+
+        jobs = mix(requests, max_tokens)
+        errors: list[str] = []
+
+        def job(k: int):
+            p, n = jobs[k]
+            try:
+                return stream_one(served.client(), model, p, n, stream=k % 2 == 0)
+            except Exception as e:  # counted, not raised: the figures say how many failed
+                errors.append(f"{type(e).__name__}: {e}")
+                return None
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            got = list(pool.map(job, range(requests)))
+        wall = time.perf_counter() - t0
+        ok = [r for r in got if r is not None]
+        streamed = [r for k, r in enumerate(got) if r is not None and k % 2 == 0 and r["times"]]
+        alone = [stream_one(client, model, p, n, stream=False)["text"] for p, n in jobs]
+        res["load"] = {"requests": requests, "clients": clients, "completed": len(ok), "errors": len(errors),
+                       "error_examples": errors[:3], "seconds": wall, "requests_per_s": len(ok) / wall,
+                       "output_tps": sum(r["tokens"] for r in ok) / wall,
+                       "ttft_p50_s": _pct([r["times"][0] - r["start"] for r in streamed], 50),
+                       "ttft_p99_s": _pct([r["times"][0] - r["start"] for r in streamed], 99),
+                       "itl_p50_s": _pct(_itl(streamed), 50), "itl_p99_s": _pct(_itl(streamed), 99),
+                       "e2e_p50_s": _pct([r["end"] - r["start"] for r in ok], 50),
+                       "e2e_p99_s": _pct([r["end"] - r["start"] for r in ok], 99),
+                       "equal_to_alone": sum(1 for r, a in zip(got, alone) if r is not None and r["text"] == a)}
+    finally:
+        res["exit_code_after_run"] = served.stop()
+    res["sigterm"] = sigterm_under_load(bundle, requests, clients, max_tokens)
+    return res
+
+
+def sigterm_under_load(bundle: Path, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
+    """Item 4 of the module docstring."""
+    served = Served(bundle)
+    jobs = mix(requests, max_tokens)
+    reasons: list[str | None] = []
+    failures: list[str] = []
+
+    def job(k: int):
+        try:
+            reasons.append(stream_one(served.client(), served.model, *jobs[k])["reason"])
+        except Exception as e:  # refused after SIGTERM (503 / connection refused): not hanging
+            failures.append(type(e).__name__)
+
+    pool = ThreadPoolExecutor(clients)
+    futures = [pool.submit(job, k) for k in range(requests)]
+    time.sleep(1.0)
+    t0 = time.perf_counter()
+    served.proc.send_signal(signal.SIGTERM)
+    try:
+        code = served.proc.wait(GRACE_S + 60)
+    except subprocess.TimeoutExpired:
+        served.proc.kill()
+        code = None
+    exit_s = time.perf_counter() - t0
+    deadline = time.monotonic() + 30
+    for f in futures:
+        try:
+            f.result(max(0.0, deadline - time.monotonic()))
+        except Exception:
+            pass
+    pool.shutdown(wait=False, cancel_futures=True)
+    return {"exit_code": code, "exit_s": exit_s, "grace_s": GRACE_S,
+            "completed": sum(r in ("stop", "length") for r in reasons), "aborted": sum(r == "abort" for r in reasons),
+            "refused": len(failures), "hanging": sum(not f.done() for f in futures)}
+
+
+def report(r: dict[str, Any], console: Console) -> None:
+    s, c, ld, t = r["single"], r["concurrent"], r["load"], r["sigterm"]
+    table = Table(title=f"dsneuron serve on {r['bundle']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("one stream: TTFT", f"{s['ttft_s'] * 1e3:.1f} ms"),
+        ("one stream: ITL p50", f"{s['itl_p50_s'] * 1e3:.2f} ms"),
+        ("one stream: decode tokens/s", f"{s['decode_tps']:.1f}"),
+        (f"{c['streams']} streams: aggregate decode tokens/s", f"{c['decode_tps']:.1f}"),
+        (f"{c['streams']} streams / one stream", f"{c['ratio']:.2f}x"),
+        (f"{c['streams']} streams: ITL p50", f"{c['itl_p50_s'] * 1e3:.2f} ms"),
+        (f"load: {ld['requests']} requests from {ld['clients']} clients", f"{ld['seconds']:.1f} s"),
+        ("load: completed / errors", f"{ld['completed']} / {ld['errors']}"),
+        ("load: requests/s", f"{ld['requests_per_s']:.2f}"),
+        ("load: output tokens/s", f"{ld['output_tps']:.1f}"),
+        ("load: TTFT p50 / p99", f"{ld['ttft_p50_s'] * 1e3:.0f} / {ld['ttft_p99_s'] * 1e3:.0f} ms"),
+        ("load: ITL p50 / p99", f"{ld['itl_p50_s'] * 1e3:.1f} / {ld['itl_p99_s'] * 1e3:.1f} ms"),
+        ("load: end-to-end p50 / p99", f"{ld['e2e_p50_s']:.2f} / {ld['e2e_p99_s']:.2f} s"),
+        ("load: text equal to the request alone", f"{ld['equal_to_alone']} of {ld['requests']}"),
+        ("SIGTERM under load: exit code, seconds", f"{t['exit_code']}, {t['exit_s']:.1f} s (grace {t['grace_s']:.0f} s)"),
+        ("SIGTERM: completed / aborted / refused / hanging",
+         f"{t['completed']} / {t['aborted']} / {t['refused']} / {t['hanging']}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    if ld["error_examples"]:
+        console.print("errors, first few: " + "; ".join(ld["error_examples"]), markup=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, help="a compiled bundle (default: compile --config into --work)")
+    ap.add_argument("--config", default="tiny", help="config to compile when no --bundle is given [tiny]")
+    ap.add_argument("--work", type=Path, default=Path("bench-serve"), help="folder for the compiled bundle [bench-serve]")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    a = ap.parse_args(argv)
+    console = Console()
+    for name in ("streams", "requests", "clients", "max_tokens"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if a.max_tokens < 8:
+        ap.error("--max-tokens must be at least 8 (the mix asks 8..max-tokens new tokens)")
+    try:
+        a.work.mkdir(parents=True, exist_ok=True)
+        bundle = a.bundle or compile_serve_bundle(a.config, a.work, console)
+        r = run(bundle, a.streams, a.requests, a.clients, a.max_tokens)
+    except RuntimeError as e:
+        Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+    report(r, console)
+    if a.json:
+        a.json.write_text(json.dumps(r, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
