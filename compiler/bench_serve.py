@@ -8,7 +8,9 @@ bucket, one 512-token context capacity: continuous batching prefills at batch 1 
 the smallest batch bucket holding the rows). Then, against one `dsneuron serve` child process on
 127.0.0.1, every client the official `openai` package, greedy:
 1. one stream: --max-tokens tokens; time to first token (TTFT), inter-token latency (ITL) and
-   decode tokens/s (tokens after the first over the time from the first to the last);
+   decode tokens/s (tokens after the first over the time from the first to the last), beside
+   `dsneuron run --stats` of the same prompt in a child process (the same decode loop without
+   HTTP: what the server costs);
 2. --streams concurrent streams of the same length: aggregate decode tokens/s (all tokens after
    each stream's first, over the time from the earliest first token to the latest last one) and
    its ratio to the one stream's;
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +126,19 @@ def stream_one(client, model: str, prompt: str, max_tokens: int, stream: bool = 
             "end": time.perf_counter()}
 
 
+def run_decode_rate(bundle: Path, prompt: str, max_tokens: int) -> float:
+    """Decode tokens/s that `dsneuron run --stats` prints for `prompt` (greedy)."""
+    done = subprocess.run([sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "run", str(bundle),
+                           "--prompt", prompt, "--max-new-tokens", str(max_tokens), "--stats"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"dsneuron run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    match = re.search(r"= ([0-9.]+) tokens/s", done.stderr)
+    if match is None:
+        raise RuntimeError(f"no decode rate in the output of dsneuron run --stats:\n{done.stderr[-2000:]}")
+    return float(match.group(1))
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -162,7 +178,8 @@ def run(bundle: Path, streams: int, requests: int, clients: int, max_tokens: int
         stream_one(client, model, prompt, 4)  # loads the prefill and decode executables
         one = stream_one(client, model, prompt, max_tokens)
         res["single"] = {"ttft_s": one["times"][0] - one["start"], "itl_p50_s": _pct(_itl([one]), 50),
-                         "decode_tps": _decode_rate([one]), "tokens": one["tokens"]}
+                         "decode_tps": _decode_rate([one]), "tokens": one["tokens"],
+                         "run_decode_tps": run_decode_rate(bundle, prompt, max_tokens)}
         with ThreadPoolExecutor(streams) as pool:
             many = list(pool.map(lambda i: stream_one(served.client(), model, " ".join(WORDS[i:i + 12]), max_tokens),
                                  range(streams)))
@@ -248,6 +265,8 @@ def report(r: dict[str, Any], console: Console) -> None:
         ("one stream: TTFT", f"{s['ttft_s'] * 1e3:.1f} ms"),
         ("one stream: ITL p50", f"{s['itl_p50_s'] * 1e3:.2f} ms"),
         ("one stream: decode tokens/s", f"{s['decode_tps']:.1f}"),
+        ("dsneuron run --stats (no server): decode tokens/s", f"{s['run_decode_tps']:.1f}"),
+        ("one stream served / run", f"{s['decode_tps'] / s['run_decode_tps']:.2f}x"),
         (f"{c['streams']} streams: aggregate decode tokens/s", f"{c['decode_tps']:.1f}"),
         (f"{c['streams']} streams / one stream", f"{c['ratio']:.2f}x"),
         (f"{c['streams']} streams: ITL p50", f"{c['itl_p50_s'] * 1e3:.2f} ms"),
