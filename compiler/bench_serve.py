@@ -21,6 +21,9 @@ the smallest batch bucket holding the rows). Then, against one `dsneuron serve` 
 4. SIGTERM under the same load, one second in (server --grace-period 10): the exit code, the
    seconds to exit, requests completed / ended by the grace period / hanging (a client still
    waiting when the server is gone).
+5. the decode step alone at each decode batch bucket (in this process, before the server starts;
+   median of 5 steps at position 16, fresh state): ms per step and rows/s, the ceiling of what
+   continuous batching can reach at that many rows.
 The figures are from one run on this host, side by side; absolute times on a shared 2-core host
 are noisy, the ratios are what to quote.
 """
@@ -31,6 +34,7 @@ import argparse
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -126,6 +130,28 @@ def stream_one(client, model: str, prompt: str, max_tokens: int, stream: bool = 
             "end": time.perf_counter()}
 
 
+def decode_step_times(bundle: Path, repeats: int = 5) -> dict[int, float]:
+    """Item 5 of the module docstring: {batch: median seconds of one decode step}."""
+    import torch
+
+    from dsneuron.runtime_min.session import Session
+
+    session = Session.load(bundle)
+    out = {}
+    for batch in sorted({b.batch for b in session.manifest.buckets if b.kind == "decode"}):
+        feed = torch.full((batch, 1), session.manifest.tokenizer.pad_token_id + 2, dtype=torch.int64)
+        pos = torch.full((batch,), 16, dtype=torch.int64)
+        history = None if session.hasher is None else session.hasher.initial_history(batch)
+        times = []
+        for _ in range(repeats + 1):  # the first loads the executables
+            exe, args, _ = session._decode_call(feed, pos, history, {})
+            t0 = time.perf_counter()
+            exe.run(args)
+            times.append(time.perf_counter() - t0)
+        out[batch] = statistics.median(times[1:])
+    return out
+
+
 def run_decode_rate(bundle: Path, prompt: str, max_tokens: int) -> float:
     """Decode tokens/s that `dsneuron run --stats` prints for `prompt` (greedy)."""
     done = subprocess.run([sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "run", str(bundle),
@@ -170,7 +196,7 @@ def mix(n: int, max_tokens: int) -> list[tuple[str, int]]:
 
 def run(bundle: Path, streams: int, requests: int, clients: int, max_tokens: int) -> dict[str, Any]:
     """The measurements of the module docstring; returns the figures."""
-    res: dict[str, Any] = {"bundle": str(bundle)}
+    res: dict[str, Any] = {"bundle": str(bundle), "decode_steps": decode_step_times(bundle)}
     served = Served(bundle)
     try:
         model, client = served.model, served.client()
@@ -282,6 +308,9 @@ def report(r: dict[str, Any], console: Console) -> None:
         ("SIGTERM: completed / aborted / refused / hanging",
          f"{t['completed']} / {t['aborted']} / {t['refused']} / {t['hanging']}"),
     ]
+    one = r["decode_steps"][min(r["decode_steps"])]
+    rows += [(f"decode step alone at batch {b}", f"{t * 1e3:.1f} ms = {b / t:.1f} rows/s ({one * b / t:.2f}x batch 1)")
+             for b, t in r["decode_steps"].items()]
     for k, v in rows:
         table.add_row(k, v)
     console.print(table)
