@@ -226,7 +226,7 @@ def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text (or --prompts-file)"),
     prompts_file: Optional[Path] = typer.Option(
-        None, "--prompts-file", help="prompts, one a line or JSON lines {\"prompt\": ...}, any number: batched over the "
+        None, "--prompts-file", help="prompts, one a line (a line starting with { is read as JSON {\"prompt\": ...}), any number: batched over the "
                                      "bundle's batch buckets (continuous batching), each as it would run alone; prints "
                                      "one JSON line {\"prompt\", \"completion\"} per prompt, in input order"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate at most (stops earlier at EOS)"),
@@ -309,7 +309,9 @@ def read_prompts_file(path: Path) -> list[str]:
     except UnicodeDecodeError as e:
         raise UserError(f"--prompts-file {path}: not UTF-8 text (byte {e.start})") from None
     prompts = []
-    for i, line in enumerate(text.splitlines(), 1):
+    # only \n (and \r\n) end a line: str.splitlines would also split at U+2028 and other separators
+    for i, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -362,9 +364,11 @@ def serve_cmd(
            "grace": grace_period}
     sharded = read_sharded(bundle)
     if sharded is None:
+        from dsneuron.runtime_min.server import listen
         from dsneuron.runtime_min.session import Session
 
-        serve_job(Session.load(bundle, verify_key), _print, **job)
+        sock = listen(host, port)  # before the load, which can take minutes: a taken port fails at once
+        serve_job(Session.load(bundle, verify_key), _print, sock=sock, **job)
         return
     from dsneuron.runtime_min.sharded import launch
 

@@ -56,6 +56,35 @@ def content_text(content: Any, where: str) -> str:
 
 def render(messages: Sequence[Any]) -> str:
     """The chat-mode prompt text of OpenAI chat `messages` (module docstring), without the BOS.
+    Raises ChatError as `segments`."""
+    return "".join(text for text, _ in segments(messages))
+
+
+def encode(messages: Sequence[Any], tokenizer, plain) -> list[int]:
+    """The token ids of `render(messages)` (without the BOS): the format's markers by `tokenizer`,
+    the messages' own text by `plain` (`plain_tokenizer(tokenizer)`), so text that spells a marker
+    stays text and a message cannot fake a turn. Raises ChatError as `segments`."""
+    ids: list[int] = []
+    for text, control in segments(messages):
+        ids += (tokenizer if control else plain).encode(text, add_special_tokens=False).ids
+    return ids
+
+
+def plain_tokenizer(tokenizer):
+    """A copy of a `tokenizers.Tokenizer` without its added tokens (DeepSeek-V4's role markers are
+    added tokens, not all marked special): every character is read as text."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def segments(messages: Sequence[Any]) -> list[tuple[str, bool]]:
+    """The chat-mode prompt of OpenAI chat `messages` as (text, is_marker) pieces in order: the
+    format's markers (role tokens, EOS, `</think>`) and the messages' own text (module docstring).
 
     Raises ChatError naming the message for: no messages, a message that is not an object, a role
     outside system/developer/user/assistant, content that is not text, tool calls, or a last
@@ -73,15 +102,15 @@ def render(messages: Sequence[Any]) -> str:
     if messages[-1]["role"] not in ("user", "developer"):
         raise ChatError(f"messages[{len(messages) - 1}].role: the last message must be the user's, got "
                         f"{messages[-1]['role']!r}", f"messages[{len(messages) - 1}].role")
-    out = []
+    out: list[tuple[str, bool]] = []
     for i, m in enumerate(messages):
         text = content_text(m.get("content") or "", f"messages[{i}].content")
         if m["role"] == "system":
-            out.append(text)
+            out.append((text, False))
         elif m["role"] == "assistant":
-            out.append(text + EOS)
+            out += [(text, False), (EOS, True)]
         else:
-            out.append(USER + text)
+            out += [(USER, True), (text, False)]
             if i + 1 == len(messages) or messages[i + 1]["role"] == "assistant":
-                out.append(ASSISTANT + THINK_END)
-    return "".join(out)
+                out += [(ASSISTANT, True), (THINK_END, True)]
+    return [(t, control) for t, control in out if t]

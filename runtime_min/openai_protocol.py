@@ -7,8 +7,9 @@ param, code}}), with vLLM's OpenAI server where the reference leaves a choice op
 
 - max_tokens defaults to 16 for completions (the reference's default) and to the rest of the
   context capacity for chat; `max_completion_tokens` is the newer chat name of max_tokens;
-- temperature and top_p default to 1 (the reference's defaults); temperature takes any finite
-  value >= 0, as runtime_min/sampling.py (0 is greedy);
+- temperature and top_p default to 1 (the reference's defaults); temperature is in 0..2 (the
+  reference's range; 0 is greedy, runtime_min/sampling.py);
+- types are strict ("2" is not an integer, true is not 1) and an explicit null is the default;
 - seed: an integer in 0..2**64-1; a request without one gets a fresh one;
 - stop: a string or at most 4 strings, cut from the text;
 - prompt: a string, a list of strings, a list of token ids, or a list of token-id lists (one
@@ -33,6 +34,9 @@ from dsneuron import UserError
 
 from .scheduler import MAX_STOP
 
+#: the OpenAI API's largest temperature
+MAX_TEMPERATURE = 2.0
+
 
 class ProtocolError(UserError):
     """An HTTP error in the OpenAI format: status, type, param (the field at fault) and code."""
@@ -48,11 +52,14 @@ class ProtocolError(UserError):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: "2" is not an integer and true is not 1, as the OpenAI API's schema says
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: Optional[int] = None
@@ -76,8 +83,11 @@ class _Sampling(BaseModel):
         for name, neutral in self._neutral().items():
             value = getattr(self, name)
             if value not in neutral:
-                raise ProtocolError(f"{name}={value!r} is not supported by this server (only {neutral[0]!r})",
+                raise ProtocolError(f"{name}={value!r:.80} is not supported by this server (only {neutral[0]!r})",
                                     param=name)
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ProtocolError(f"temperature must be in 0..{MAX_TEMPERATURE} (the OpenAI API's range; 0 = greedy), "
+                                f"got {self.temperature}", param="temperature")
         if len(self.stops()) > MAX_STOP:
             raise ProtocolError(f"stop: at most {MAX_STOP} sequences, got {len(self.stops())}", param="stop")
 
@@ -107,11 +117,12 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
+    functions: Optional[list[Any]] = None
     tool_choice: Any = None
     response_format: Optional[dict[str, Any]] = None
 
     def _neutral(self) -> dict[str, tuple]:
-        return {**super()._neutral(), "logprobs": (False,), "top_logprobs": (None,), "tools": (None, []),
+        return {**super()._neutral(), "logprobs": (False,), "top_logprobs": (None,), "tools": (None, []), "functions": (None, []),
                 "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
 
 
@@ -120,11 +131,13 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     first field at fault otherwise."""
     if not isinstance(body, dict):
         raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
-    try:
-        req = model.model_validate(body)
+    try:  # an explicit null is the field's default, as the OpenAI API's schema has it
+        req = model.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or None
+        # of a union's failed branches, the one that got furthest into the value names the place
+        err = max(e.errors(), key=lambda x: sum(isinstance(p, int) for p in x["loc"]))
+        # the path to the field: names and list positions, not pydantic's union branch tags
+        field = err["loc"][0] + "".join(f"[{p}]" for p in err["loc"][1:] if isinstance(p, int)) if err["loc"] else None
         got = f" (got {err['input']!r:.80})" if err["type"] != "missing" else ""
         raise ProtocolError(f"{field}: {err['msg']}{got}", param=field) from None
     req.check_neutral()

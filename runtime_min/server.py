@@ -12,14 +12,18 @@ latency and request latency histograms).
 Requests become runtime_min/scheduler.py Requests, stepped by one engine thread (`Engine`); each
 HTTP request waits on an asyncio queue that the engine's listener fills. Errors answer in the
 OpenAI format ({"error": {message, type, param, code}}): 400 for a bad body (malformed JSON, a
-body over MAX_BODY bytes, an unknown model, a bad field, a prompt or max_tokens past the context),
-401 for a missing or wrong API key (the /v1 routes, when a key is set), 404 for an unknown path,
-429 when max_queue requests wait already, 503 while shutting down. An error is one request's: it
+body over MAX_BODY bytes, a bad field, a prompt or max_tokens past the context), 401 for a
+missing or wrong API key (the /v1 routes, when a key is set), 404 for an unknown path or model,
+429 when the queue is full, 503 while shutting down. An error is one request's: it
 never reaches the rows of the others.
 
-A client that disconnects cancels its requests: their rows are freed at the next step. SIGTERM
-stops admitting (503), lets the queued and running requests finish until SHUTDOWN_S before `grace`
-seconds are over (a Kubernetes-style grace period: the process is gone within it), then ends
+The queue bound counts requests waiting for a row: a burst is admitted while rows are free, and
+more than --max-queue beyond them is answered 429 (with Retry-After); a request's prompts are
+queued all or none. A client that disconnects cancels its requests (a streamed one when its stream
+closes, a whole one within POLL_S): their rows are freed at the next step. SIGTERM closes the
+listening socket at once (new connections are refused, so a load balancer moves on), and a whole
+(non-streamed) request that never got a row is answered 503 to be retried elsewhere. The
+queued and running requests go on until SHUTDOWN_S before `grace` seconds are over (a Kubernetes-style grace period: the process is gone within it), then ends
 the rest (finish_reason "abort", streams closed with their final chunk) and returns, so the
 command exits 0. This module and its imports (fastapi, uvicorn, prometheus_client) are loaded by
 the `serve` command only.
@@ -28,6 +32,7 @@ the `serve` command only.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import secrets
@@ -43,6 +48,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+
+from dsneuron import UserError
 
 from . import chat
 from .openai_protocol import ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists, usage
@@ -110,17 +117,24 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, r: Request) -> None:
-        """Queue `r` for the next step. Raises RequestError (Scheduler.check), QueueFull when
-        max_queue requests wait already, Closed while shutting down."""
-        self.scheduler.check(r)
+    def submit(self, reqs: list[Request]) -> None:
+        """Queue the requests of one HTTP request for the next step, all or none. Raises
+        RequestError (Scheduler.check; more prompts than max_queue), QueueFull when they do not
+        fit (max_queue waiting requests beyond the rows free now), Closed while shutting down."""
+        if len(reqs) > self.max_queue:
+            raise RequestError(f"{len(reqs)} prompts in one request; this server queues at most {self.max_queue} "
+                               "(--max-queue)", "prompt")
+        for r in reqs:
+            self.scheduler.check(r)
         with self._lock:
             if self.draining or self._stop.is_set():
                 raise Closed("the server is shutting down and admits no new request")
-            if self.scheduler.waiting + self._submitted >= self.max_queue:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later")
-            self._events.append(("submit", r))
-            self._submitted += 1
+            free_rows = self.scheduler.max_rows - self.scheduler.running
+            if self.scheduler.waiting + self._submitted + len(reqs) > self.max_queue + max(0, free_rows):
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting for a row, --max-queue); "
+                                "retry later")
+            self._events.extend(("submit", r) for r in reqs)
+            self._submitted += len(reqs)
         self.scheduler.wake.set()
 
     def cancel(self, r: Request) -> None:
@@ -282,9 +296,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     session = engine.session
     metrics = engine.metrics
 
-    def fail(e: ProtocolError) -> JSONResponse:
+    def fail(e: ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.rejected.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
@@ -295,7 +309,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
-        if not (got.startswith("Bearer ") and secrets.compare_digest(got[7:].encode(), api_key.encode())):
+        scheme, _, token = got.partition(" ")
+        if not (scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())):
             raise ProtocolError("missing or wrong API key: send the header Authorization: Bearer <key> with the "
                                 "key given to `dsneuron serve --api-key`", 401, code="invalid_api_key")
 
@@ -314,11 +329,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ProtocolError(f"the request body is not valid JSON ({e})", param="body") from None
+        except RecursionError:
+            raise ProtocolError("the request body nests JSON too deeply", param="body") from None
 
     def check_model(name: str) -> None:
         if name != model_name:
             raise ProtocolError(f"model {name!r} does not exist: this server serves {model_name!r} (GET /v1/models)",
-                                param="model", code="model_not_found")
+                                404, param="model", type="not_found_error", code="model_not_found")
 
     @app.get("/health")
     async def health() -> Response:
@@ -334,11 +351,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             check_key(request)
         except ProtocolError as e:
             return fail(e)
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(started), "owned_by": "dsneuron",
-            "max_model_len": session.max_capacity}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{name}")
+    async def model(request: HTTPRequest, name: str) -> JSONResponse:
+        try:
+            check_key(request)
+            check_model(name)
+        except ProtocolError as e:
+            return fail(e)
+        return JSONResponse(model_card())
 
     started = time.time()
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(started), "owned_by": "dsneuron",
+                "max_model_len": session.max_capacity}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest) -> Response:
@@ -359,18 +387,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             reqs = _requests(body, prompts, chat_kind, loop, queue)
         except ProtocolError as e:
             return fail(e)
-        submitted: list[Request] = []
         try:
-            for r in reqs:
-                engine.submit(r)
-                submitted.append(r)
-        except (RequestError, QueueFull, Closed) as e:
-            for r in submitted:
-                engine.cancel(r)
-            if isinstance(e, RequestError):
-                return fail(ProtocolError(str(e), param=e.param))
-            if isinstance(e, QueueFull):
-                return fail(ProtocolError(str(e), 429, type="rate_limit_error", code="queue_full"))
+            engine.submit(reqs)
+        except RequestError as e:
+            return fail(ProtocolError(str(e), param=e.param))
+        except QueueFull as e:
+            return fail(ProtocolError(str(e), 429, type="rate_limit_error", code="queue_full"), {"Retry-After": "1"})
+        except Closed as e:
             return fail(ProtocolError(str(e), 503, type="service_unavailable", code="shutting_down"))
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         reply = Reply(model_name, chat_kind)
@@ -380,21 +403,32 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, reply, reqs, queue)
 
+    plain = chat.plain_tokenizer(session.tokenizer)
+
     def _prompt_ids(body: Any, chat_kind: bool) -> list[list[int]]:
         if chat_kind:
             try:
-                text = chat.render(body.messages)
+                return [[session.manifest.tokenizer.bos_token_id] + chat.encode(body.messages, session.tokenizer, plain)]
             except chat.ChatError as e:
                 raise ProtocolError(str(e), param=e.param) from None
-            return [[session.manifest.tokenizer.bos_token_id] + session.tokenizer.encode(text, add_special_tokens=False).ids]
+            except UnicodeEncodeError as e:
+                raise ProtocolError(f"messages: not valid UTF-8 text (character {e.start} of a content)",
+                                    param="messages") from None
         out = []
         for i, p in enumerate(prompt_lists(body.prompt)):
+            where = "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]"
             if isinstance(p, str):
                 if not p:
-                    raise ProtocolError(f"prompt{'' if len(out) == 0 and isinstance(body.prompt, str) else f'[{i}]'} "
-                                        "is empty; a prompt needs at least one character", param="prompt")
-                out.append(session.encode(p, i))
+                    raise ProtocolError(f"{where} is empty; a prompt needs at least one character", param="prompt")
+                try:
+                    out.append(session.encode(p, i))
+                except UserError as e:
+                    raise ProtocolError(f"{where}: {e}", param="prompt") from None
             else:
+                bad = next((k for k, t in enumerate(p) if not 0 <= t < session.vocab_size), None)
+                if bad is not None:
+                    raise ProtocolError(f"{where}[{bad}]: token id {p[bad]} is outside the vocabulary "
+                                        f"0..{session.vocab_size - 1}", param="prompt")
                 out.append(p)
         return out
 
@@ -410,12 +444,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue) -> Response:
         try:
-            pending = len(reqs)
+            pending, checked = len(reqs), time.monotonic()
             while pending:
                 try:
                     _, _, reason = await asyncio.wait_for(queue.get(), POLL_S)
                     pending -= reason is not None
                 except TimeoutError:
+                    pass
+                if pending and time.monotonic() - checked >= POLL_S:  # tokens may come faster than POLL_S
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         for r in reqs:
                             engine.cancel(r)
@@ -427,6 +464,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             return fail(ProtocolError(f"generation failed: {failed[0].error}", 500, type="server_error"))
+        if engine.draining and all(r.finish_reason == "abort" and r.sampled == 0 for r in reqs):
+            return fail(ProtocolError("the server shut down before this request got a row; retry it elsewhere", 503,
+                                      type="service_unavailable", code="shutting_down"))
         return JSONResponse(reply.full([r.text for r in reqs], [r.finish_reason for r in reqs],
                                        usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
 
@@ -475,10 +515,11 @@ class _Server(uvicorn.Server):
 
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 128,
           api_key: str | None = None, model_name: str = "dsneuron", grace: float = 30.0,
-          ready: Callable[[str], None] | None = None) -> None:
+          ready: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
     """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
-    a free one. ready(url) is called once the socket listens. Raises UserError for an address that
-    cannot be bound; after Ctrl-C the KeyboardInterrupt uvicorn raises again.
+    a free one; `sock`: a socket `listen` bound already (host and port are then its). ready(url) is
+    called once the socket listens. Raises UserError for an address that cannot be bound; after
+    Ctrl-C the KeyboardInterrupt uvicorn raises again.
 
     In a rank of a sharded bundle (a torch.distributed group of several processes,
     runtime_min/sharded.py) rank 0 serves and the other ranks `follow` it."""
@@ -492,7 +533,7 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
             return
     engine = Engine(session, max_queue, channel)
     app = create_app(engine, model_name, api_key)
-    sock = listen(host, port)
+    sock = sock or listen(host, port)
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(grace) + 5)
     server = _Server(config, lambda: engine.drain(grace))
     engine.start()
@@ -507,8 +548,6 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
 
 def listen(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) and listening; UserError naming the address otherwise."""
-    from dsneuron import UserError
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, kind, proto, _, addr = infos[0]
@@ -521,6 +560,9 @@ def listen(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as e:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using the port?)") from None
+        hint = {errno.EADDRINUSE: " (is another server using the port?)",
+                errno.EADDRNOTAVAIL: " (not an address of this host)",
+                errno.EACCES: " (ports below 1024 need privileges)"}.get(e.errno, "")
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
     sock.set_inheritable(True)
     return sock
