@@ -20,7 +20,7 @@ from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
 from .model import Capture, Transformer, gemm_order
-from .steps import decode, init_state, prefill, prefill_chunk
+from .steps import decode, prefill, prefill_chunk
 from .weights import build_model, model_weights
 
 
@@ -83,8 +83,10 @@ class Golden:
         Returns len(tokens) - n_prompt + 1 records: the prefill's logits (next-token prediction
         after the prompt) and one per decoded token. cpu_kernels: run the cpu target's numerics
         instead of the golden's (GEMM order "kernel" on the prepared weights, the MoE's grouped
-        GEMM: what its executables compute). chunks: prefill the prompt as a chunked prefill
-        (`chunk_lengths`; the prefill record's capture is the last chunk's). Raises ValueError as
+        GEMM: what its executables compute). chunks: prefill the prompt as a chunked prefill, as
+        the runtime does (runtime_min/session.py Session.prefill): the first of its
+        `chunk_lengths` a prefill at position 0, the others chunks continuing the state
+        (graphs/steps.py prefill_chunk); the prefill record's capture is the last chunk's. Raises ValueError as
         `check_sequence` and `chunk_lengths`.
         """
         check_sequence(len(tokens), n_prompt, self.max_seq_len)
@@ -95,17 +97,16 @@ class Golden:
         eng = self.engram_ids(ids)
         with gemm_order("kernel") if cpu_kernels else contextlib.nullcontext():
             cap = Capture() if capture else None
-            if chunks is None:
-                logits, state = prefill(self.model, ids[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], cap,
-                                        routed=routed)
-            else:
-                state = init_state(self.cfg, 1, self.max_seq_len)
-                p = 0
-                for n in chunk_lengths(n_prompt, chunks):
-                    cap = Capture() if capture else None
-                    logits, state = prefill_chunk(self.model, ids[:, p:p + n], torch.tensor([p]), torch.tensor([n]),
-                                                  eng[:, p:p + n], state, cap, routed=routed)
-                    p += n
+            lengths = [n_prompt] if chunks is None else chunk_lengths(n_prompt, chunks)
+            first = lengths[0]
+            logits, state = prefill(self.model, ids[:, :first], torch.tensor([first]), eng[:, :first], cap,
+                                    routed=routed)
+            p = first
+            for n in lengths[1:]:
+                cap = Capture() if capture else None
+                logits, state = prefill_chunk(self.model, ids[:, p:p + n], torch.tensor([p]), torch.tensor([n]),
+                                              eng[:, p:p + n], state, cap, routed=routed)
+                p += n
             out = [StepRecord(logits[0], cap.tensors if cap else None)]
             for p in range(n_prompt, len(tokens)):
                 cap = Capture() if capture else None

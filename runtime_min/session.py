@@ -237,7 +237,7 @@ class Session:
         temperature 0 is greedy; otherwise temperature/top-p sampling, each prompt from its own
         torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
         receives a prompt's text as it is final. Raises UserError naming the limit for an empty
-        prompt, a prompt longer than the largest prefill bucket, prompt + max_new_tokens - 1
+        prompt, a prompt `check_prompt_length` refuses, prompt + max_new_tokens - 1
         beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
         values (runtime_min/sampling.py).
         """
@@ -260,9 +260,13 @@ class Session:
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         batch = select.pick_batch(self.batch_sizes, 1)
         longest = max(len(x) for x in ids)
-        seq_len = select.pick_prefill(self._lengths("prefill", batch), longest)
+        self.check_prompt_length(longest)
         check_context(longest, max_new_tokens, self.max_capacity)
-        self.last_stats = GenerationStats(longest, f"b{batch} s{seq_len}", len(ids))
+        lengths = self._lengths("prefill", batch)
+        label = (f"b{batch} s{select.pick_prefill(lengths, longest)}" if longest <= max(lengths) else
+                 f"b{batch} s{max(lengths)} + chunks at capacity "
+                 f"{select.pick_chunk_capacity(self._lengths('chunk', batch), longest)}")
+        self.last_stats = GenerationStats(longest, label, len(ids))
         scheduler = Scheduler(self, stats=self.last_stats)
         index: dict[str, int] = {}
 
@@ -313,17 +317,66 @@ class Session:
             results.append(StepResult(outs[0][0], probes, seconds, state_in))
         return results
 
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """The prefill of one prompt as it runs alone: at the smallest batch bucket, right-padded to
-        the smallest prefill bucket holding it. Returns (logits [vocab] fp32 after the prompt's last
-        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
-        [batch, H] int64 or None). Raises UserError when the prompt exceeds the largest prefill
-        bucket (runtime_min/select.py pick_prefill)."""
+    def check_prompt_length(self, n_tokens: int) -> None:
+        """Raise UserError naming the limit unless `prefill` runs a prompt of n_tokens tokens: up to
+        the largest prefill bucket in one call, or, in a bundle with chunk buckets, up to the
+        largest capacity they continue (the chunked prefill's limit, the context capacity)."""
         batch = select.pick_batch(self.batch_sizes, 1)
+        lengths = self._lengths("prefill", batch)
+        if n_tokens <= max(lengths) or not self._lengths("chunk", batch):
+            select.pick_prefill(lengths, n_tokens)
+            return
+        select.pick_chunk_capacity(self._lengths("chunk", batch), n_tokens)
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """The prefill of one prompt as it runs alone, at the smallest batch bucket: right-padded to
+        the smallest prefill bucket holding it; a prompt longer than the largest prefill bucket P,
+        in a bundle with chunk buckets, as a chunked prefill: its first P tokens in the prefill
+        bucket, then chunks of up to P tokens, each continuing the state at its start position
+        (graphs/steps.py prefill_chunk: the numerics of that many decode steps), at the smallest
+        chunk capacity holding the prompt. Returns (logits [vocab] fp32 after the prompt's last
+        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
+        [batch, H] int64 or None). Raises UserError as `check_prompt_length`."""
+        self.check_prompt_length(len(ids))
+        batch = select.pick_batch(self.batch_sizes, 1)
+        P = max(self._lengths("prefill", batch))
+        if len(ids) > P:
+            return self.chunked_prefill(list(ids), P)
         seq_len = select.pick_prefill(self._lengths("prefill", batch), len(ids))
         exe, args, history = self._prefill_call([list(ids)], batch, seq_len)
         outs = exe.run(args)
         return outs[0][0], self._collect(exe.bucket, outs), history
+
+    def chunked_prefill(self, ids: Sequence[int], chunk: int):
+        """A chunked prefill of one prompt at the smallest batch bucket: the prefill of its first
+        `chunk` tokens, then chunks of up to `chunk` tokens (each run at its chunk bucket's padded
+        length) at the smallest chunk capacity holding the prompt; rows past 0 are filler (one pad
+        token at position 0). `prefill` runs a prompt past the largest prefill bucket P this way
+        with chunk = P; a smaller chunk must be a length the prefill and chunk buckets take.
+        Returns as `prefill`. Raises UserError when no chunk bucket holds the prompt, ValueError
+        for a chunk length the buckets do not take."""
+        ids = list(ids)
+        batch = select.pick_batch(self.batch_sizes, 1)
+        capacity = select.pick_chunk_capacity(self._lengths("chunk", batch) or [0], len(ids))
+        first = min(chunk, len(ids))
+        exe, args, history = self._prefill_call([ids[:first]], batch,
+                                                select.pick_prefill(self._lengths("prefill", batch), first))
+        outs = exe.run(args)
+        state = self._collect(exe.bucket, outs)
+        exe = self._executable("chunk", batch, capacity)
+        pad = self.manifest.tokenizer.pad_token_id
+        for p in range(first, len(ids), chunk):
+            part = ids[p:p + chunk]
+            tokens, valid = select.pad_prompts([part], batch, exe.bucket.padded_len(len(part)), pad)
+            pos = torch.zeros(batch, dtype=torch.int64)
+            pos[0] = p
+            engram = None
+            if self.hasher is not None:
+                engram, history = self.hasher.hash(tokens, history, valid)
+            data = {"tokens": tokens, "pos": pos, "valid_len": valid, "engram_ids": engram}
+            outs = exe.run(self._inputs(exe.bucket, data, self._state_for(exe.bucket, state)))
+            state = self._collect(exe.bucket, outs)
+        return outs[0][0], state, history
 
     def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
         """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch,

@@ -143,3 +143,23 @@ def test_chunk_lengths_split_and_check():
         chunk_lengths(5, [2, 2])
     with pytest.raises(ValueError, match=">= 1"):
         chunk_lengths(5, 0)
+
+
+def test_staged_chunk_equals_the_chunk_step(micro_golden, decoded):
+    """graphs/stages.py's chunk stages, run in order, give prefill_chunk's logits and state bit for
+    bit (what the cpu target compiles)."""
+    from dsneuron.graphs import stages as st
+    from dsneuron.runtime_min.schema import engram_columns
+
+    ids, eng, logits, states = decoded
+    m = micro_golden.model
+    p, n, S = 13, 9, 12
+    toks = torch.cat([ids[:, p:p + n], torch.full((1, S - n), 5)], 1)
+    e = torch.cat([eng[:, p:p + n], torch.zeros(1, S - n, *eng.shape[2:], dtype=eng.dtype)], 1)
+    with torch.inference_mode():
+        want, state = prefill_chunk(m, toks, torch.tensor([p]), torch.tensor([n]), e, states[p - 1])
+        env = st.run_stages(st.build_stages(m, "chunk", 1, m.max_seq_len),
+                            {**states[p - 1], "tokens": toks, "pos": torch.tensor([p]), "valid_len": torch.tensor([n]),
+                             **engram_columns(e)})
+    assert torch.equal(env["logits"], want)
+    assert not _same_state({k: env[k] for k in state}, state)
