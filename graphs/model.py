@@ -822,6 +822,7 @@ class Attention(nn.Module):
         if self.is_kv_source:
             ckv_name, ik_name = f"layers.{L}.compress_kv", f"layers.{L}.index_k"
             ks_name, ss_name = f"layers.{L}.kv_state", f"layers.{L}.score_state"
+            g0 = None  # a chunk's first group: its rows go to slots g0 + j
             if ctx.prefill:
                 latent, kvs, scs = self.compressor.prefill(x, ctx.valid_len, state.get(ks_name), state.get(ss_name))
                 G = latent.size(1)
@@ -842,8 +843,11 @@ class Attention(nn.Module):
                 new[ks_name], new[ss_name] = kvs, scs
             _cap(cap, f"layers.{L}.compressor.latent", latent)
             slot0 = None if ctx.prefill else ctx.pos // r
-            put = (lambda cache, rows: write_rows(cache, rows, g0, write)) if ctx.chunk else \
-                (lambda cache, rows: self._write(cache, rows, write, slot0))
+
+            def put(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                if g0 is not None:
+                    return write_rows(cache, rows, g0, write)
+                return self._write(cache, rows, write, slot0)
             # the indexer needs the latent before RoPE, so its keys are made first (model.py _compress_kv)
             if self.is_index_source:
                 k = self.indexer.keys(latent, gcos, gsin)

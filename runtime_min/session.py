@@ -7,13 +7,20 @@
 Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> one request per prompt
 through the scheduler (runtime_min/scheduler.py, the one decode loop, shared with `dsneuron
 serve`): each prompt's prefill at the smallest batch bucket, right-padded to its prefill bucket
-(first-fit, runtime_min/select.py), engram ids on the host from the manifest's parameters, state
+(first-fit, runtime_min/select.py), or, for a prompt past the largest prefill bucket in a bundle
+with chunk buckets, a chunked prefill (`Session.prefill`: its first chunk a prefill, the others
+chunk buckets continuing the state with the numerics of decode steps), engram ids on the host
+from the manifest's parameters, state
 starting as the manifest's fill values when the prefill takes state inputs -> sample -> decode one
 token per active row per step at the smallest batch bucket holding the rows, each row at its own
 position, at the smallest decode capacity holding the positions in use, resizing the state
 between capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) ->
 stop a row at EOS (not part of its text) or max_new_tokens. Any number of prompts: those past the
 largest batch bucket wait for a free row, and each prompt's output is what it gets alone.
+
+Prompt limit, decided up front (`check_prompt_length`): the largest prefill bucket, or, where the
+bundle has chunk buckets, the largest capacity they continue (the context capacity); the refusal
+names the limit.
 
 Context limit, decided up front: a prompt of L tokens may generate N tokens only when
 L + N - 1 <= the largest decode capacity. The prefill holds positions 0..L-1 and its logits give the

@@ -163,3 +163,85 @@ def test_staged_chunk_equals_the_chunk_step(micro_golden, decoded):
                              **engram_columns(e)})
     assert torch.equal(env["logits"], want)
     assert not _same_state({k: env[k] for k in state}, state)
+
+
+# ----------------------------------------------------------------------------------------- plan, schema, limits
+def test_chunk_buckets_only_above_the_largest_prefill(micro_cfg):
+    import dataclasses
+
+    from dsneuron.compiler.buckets import plan_buckets
+    from dsneuron.compiler.config import load_config
+
+    cc = dataclasses.replace(load_config("micro")[1], prefill_seq_lens=(16,), decode_context_lens=(16, 32, 64))
+    plan = plan_buckets(cc, micro_cfg).with_dynamic_prefill(8).with_chunks()
+    assert [(b.kind, b.batch, b.seq_len, b.capacity, b.min_seq_len) for b in plan.chunk] == \
+        [("chunk", b, 16, c, 16) for b in cc.batch_sizes for c in (32, 64)]
+    assert plan.buckets[-len(plan.chunk):] == plan.chunk
+    assert not plan_buckets(cc, micro_cfg).chunk  # only a staged compile asks for them
+
+
+def test_the_refusal_names_the_context_capacity():
+    from dsneuron import UserError
+    from dsneuron.runtime_min import select
+
+    assert select.pick_chunk_capacity([64, 256], 65) == 256
+    with pytest.raises(UserError, match="prompt has 300 tokens; the context capacity of this bundle is 256 tokens"):
+        select.pick_chunk_capacity([64, 256], 300)
+
+
+# ----------------------------------------------------------------------------------------- the cpu target (slow)
+@pytest.fixture(scope="module")
+def chunk_session(tmp_path_factory, micro_checkpoint):
+    """micro compiled with one prefill bucket of 16 tokens and a capacity of 64: prefill, decode and
+    a chunk bucket at 64 (about 6 minutes on 2 cores)."""
+    import dataclasses
+
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
+    from dsneuron.runtime_min.session import Session
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+                                      checkpoint=str(micro_checkpoint))
+    root = tmp_path_factory.mktemp("micro_chunk")
+    parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
+    return Session.load(compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache"))
+
+
+@pytest.mark.slow
+def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_session, micro_golden):
+    """A 50-token prompt on a bundle whose largest prefill is 16: prefill 16, chunks of 16, 16, 2 at
+    capacity 64. Its logits are the bundle's own prefill + 34 decode steps bit for bit, and track
+    the golden's chunked prefill no worse than the floors (compiler/compare.py's end-to-end rule)."""
+    s = chunk_session
+    assert [b.kind for b in s.manifest.buckets] == ["prefill", "decode", "chunk"] and s.manifest.schema_version == 4
+    ids = _ids(50, 2)[0].tolist()
+    logits, state, history = s.prefill(ids)
+    assert torch.equal(logits, s.teacher_forced(ids, 16)[-1].logits)
+    ref = micro_golden.teacher_forced(ids, 50, chunks=16)[0].logits
+    with gemm_order("descending"):
+        floor = micro_golden.teacher_forced(ids, 50, chunks=16)[0].logits
+    with nudged_embedding():
+        nudge = micro_golden.teacher_forced(ids, 50, chunks=16)[0].logits
+    allowed = max(1 - logit_metrics(floor, ref)["cos"], 1 - logit_metrics(nudge, ref)["cos"])
+    assert 1 - logit_metrics(logits, ref)["cos"] <= allowed
+    assert state["layers.0.window_kv"].shape[1] == micro_golden.cfg.window_size and history is not None
+
+
+@pytest.mark.slow
+def test_cpu_target_long_prompt_limits_and_generation(chunk_session):
+    """Up to the capacity through Session.generate (the scheduler); one token past it is refused by
+    Session.check_prompt_length and the scheduler's check, naming the capacity."""
+    from dsneuron import UserError
+    from dsneuron.runtime_min.scheduler import Request, RequestError, Scheduler
+
+    s = chunk_session
+    s.check_prompt_length(64)
+    with pytest.raises(UserError, match="context capacity of this bundle is 64 tokens"):
+        s.check_prompt_length(65)
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    assert 16 < len(s.encode(text)) < 63
+    assert len(s.generate_ids([text], 2)[0]) == 2
+    assert "chunks at capacity 64" in s.last_stats.prefill_bucket
+    with pytest.raises(RequestError, match="64 tokens"):
+        Scheduler(s).check(Request(_ids(65, 1)[0].tolist(), 1))
