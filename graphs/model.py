@@ -50,6 +50,11 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   of wo_a's outputs one bf16 step or more off). The indexer's score GEMM keeps the official bf16
   expression (kernels_nki/mqa_logits_ref.py); its operands are FP4-QDQ'd, so its fp32 sums are exact.
 - No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
+- Chunks. The reference prefills only at position 0 and decodes one token at a time; a chunk (a
+  prefill continuing from state at any position, StepInputs.chunk) has no counterpart there, so it
+  computes what that many decode steps in order compute: decode's window and compressed index
+  lists per query, decode's pooling of each compressed group, decode's state afterwards
+  (graphs/steps.py prefill_chunk).
 
 Shapes: B batch, S tokens in this call, D dim, H heads, hd head_dim, rd rope_head_dim, W window,
 hc hc_mult, C = max_seq_len // ratio compressed slots, T compressed positions visible to a call.

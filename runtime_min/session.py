@@ -197,10 +197,6 @@ class Session:
     def _lengths(self, kind: str, batch: int) -> list[int]:
         return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
 
-    def prefill_lengths(self, batch: int) -> list[int]:
-        """The seq_lens of the prefill buckets of batch size `batch`, ascending."""
-        return self._lengths("prefill", batch)
-
     def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
         key = (kind, batch, length)
         if key not in self._loaded:
