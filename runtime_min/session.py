@@ -350,17 +350,21 @@ class Session:
         outs = exe.run(args)
         return outs[0][0], self._collect(exe.bucket, outs), history
 
-    def chunked_prefill(self, ids: Sequence[int], chunk: int):
+    def chunked_prefill(self, ids: Sequence[int], chunk: int
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         """A chunked prefill of one prompt at the smallest batch bucket: the prefill of its first
         `chunk` tokens, then chunks of up to `chunk` tokens (each run at its chunk bucket's padded
         length) at the smallest chunk capacity holding the prompt; rows past 0 are filler (one pad
         token at position 0). `prefill` runs a prompt past the largest prefill bucket P this way
         with chunk = P; a smaller chunk must be a length the prefill and chunk buckets take.
-        Returns as `prefill`. Raises UserError when no chunk bucket holds the prompt, ValueError
-        for a chunk length the buckets do not take."""
+        Returns as `prefill`. Raises UserError when the bundle has no chunk bucket or none holds
+        the prompt, ValueError for a chunk length the buckets do not take."""
         ids = list(ids)
         batch = select.pick_batch(self.batch_sizes, 1)
-        capacity = select.pick_chunk_capacity(self._lengths("chunk", batch) or [0], len(ids))
+        if not self._lengths("chunk", batch):
+            raise UserError(f"this bundle has no chunk bucket of batch {batch} (compile with compile.chunked_prefill "
+                            "and a decode capacity above the largest prefill length)")
+        capacity = select.pick_chunk_capacity(self._lengths("chunk", batch), len(ids))
         first = min(chunk, len(ids))
         exe, args, history = self._prefill_call([ids[:first]], batch,
                                                 select.pick_prefill(self._lengths("prefill", batch), first))
