@@ -245,3 +245,27 @@ def test_cpu_target_long_prompt_limits_and_generation(chunk_session):
     assert "chunks at capacity 64" in s.last_stats.prefill_bucket
     with pytest.raises(RequestError, match="64 tokens"):
         Scheduler(s).check(Request(_ids(65, 1)[0].tolist(), 1))
+
+
+@pytest.mark.slow
+def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
+    """The issue's goal: tiny compiled with a 128-token prefill bucket and an 8192 capacity runs an
+    8000-token prompt (a prefill of 128, then 62 chunks) and generates after it through the
+    scheduler; 8193 tokens are refused naming the capacity (about 3-6 minutes of compile)."""
+    from dsneuron import UserError
+    from dsneuron.compiler.bench_chunk import compile_bench_bundle
+    from dsneuron.runtime_min.scheduler import Request, Scheduler
+    from dsneuron.runtime_min.session import Session
+
+    s = Session.load(compile_bench_bundle("tiny", 128, 8192, tmp_path))
+    assert [(b.kind, b.seq_len, b.capacity) for b in s.manifest.buckets] == \
+        [("prefill", 128, 8192), ("decode", 1, 8192), ("chunk", 128, 8192)]
+    ids = _ids(8000, 1)[0].tolist()
+    logits, _, _ = s.prefill(ids)
+    assert torch.isfinite(logits).all()
+    sch = Scheduler(s)
+    r = sch.submit(Request(ids, 3))
+    sch.run()
+    assert r.finish_reason == "length" and len(r.generated) == 3 and r.generated[0] == int(logits.argmax())
+    with pytest.raises(UserError, match="context capacity of this bundle is 8192 tokens"):
+        s.check_prompt_length(8193)
