@@ -251,7 +251,7 @@ def test_cpu_target_long_prompt_limits_and_generation(chunk_session):
 def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
     """The issue's goal: tiny compiled with a 128-token prefill bucket and an 8192 capacity runs an
     8000-token prompt (a prefill of 128, then 62 chunks) and generates after it through the
-    scheduler; 8193 tokens are refused naming the capacity (about 3-6 minutes of compile)."""
+    scheduler; 8193 tokens are refused naming the capacity (3-11 minutes, mostly the compile)."""
     from dsneuron import UserError
     from dsneuron.compiler.bench_chunk import compile_bench_bundle
     from dsneuron.runtime_min.scheduler import Request, Scheduler
