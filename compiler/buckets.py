@@ -34,7 +34,9 @@ GENERATED_MIN = 128  # smallest generated bucket, as NxDI's generate_buckets
 @dataclass(frozen=True)
 class PlannedBucket:
     """One shape to compile. kind "prefill": seq_len tokens per call, its state at `capacity`;
-    kind "decode": one token per call (seq_len 1) against a state of `capacity` positions."""
+    kind "decode": one token per call (seq_len 1) against a state of `capacity` positions; kind
+    "chunk": seq_len tokens per call continuing a state of `capacity` positions (a chunked
+    prefill's later chunks, graphs/steps.py prefill_chunk)."""
 
     kind: str
     batch: int
@@ -71,6 +73,8 @@ class BucketPlan:
     #: tokens (`with_dynamic_prefill`)
     min_prefill: int = 0
     prefill_step: int = 1
+    #: the decode capacities that get a chunk bucket (`with_chunks`)
+    chunk_capacities: tuple[int, ...] = ()
 
     @property
     def prefill(self) -> tuple[PlannedBucket, ...]:
@@ -82,7 +86,23 @@ class BucketPlan:
         bucket per batch size, for every multiple of `step` from 2 * step to the largest prefill
         length (a prompt runs at its own length rounded up to `step`: one compile instead of one
         per length, and padding below `step` tokens instead of up to the next bucket)."""
-        return BucketPlan(self.batch_sizes, (self.prefill_seq_lens[-1],), self.decode_capacities, 2 * step, step)
+        return BucketPlan(self.batch_sizes, (self.prefill_seq_lens[-1],), self.decode_capacities, 2 * step, step,
+                          self.chunk_capacities)
+
+    def with_chunks(self) -> "BucketPlan":
+        """The plan plus one chunk bucket per batch size and decode capacity above the largest
+        prefill length P: seq_len P tokens per call (the range of the prefill buckets when they
+        take one), continuing a state of that capacity. A prompt longer than P runs as a prefill
+        of its first P tokens, then chunks of up to P at the smallest capacity holding it."""
+        caps = tuple(c for c in self.decode_capacities if c > self.prefill_seq_lens[-1])
+        return BucketPlan(self.batch_sizes, self.prefill_seq_lens, self.decode_capacities, self.min_prefill,
+                          self.prefill_step, caps)
+
+    @property
+    def chunk(self) -> tuple[PlannedBucket, ...]:
+        P = self.prefill_seq_lens[-1]
+        return tuple(PlannedBucket("chunk", b, P, c, self.min_prefill, self.prefill_step)
+                     for b in self.batch_sizes for c in self.chunk_capacities)
 
     @property
     def decode(self) -> tuple[PlannedBucket, ...]:
@@ -90,7 +110,7 @@ class BucketPlan:
 
     @property
     def buckets(self) -> tuple[PlannedBucket, ...]:
-        return self.prefill + self.decode
+        return self.prefill + self.decode + self.chunk
 
     def capacity_for(self, seq_len: int) -> int:
         """The decode capacity a prefill of `seq_len` hands its state to: the smallest >= seq_len."""

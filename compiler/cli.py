@@ -428,17 +428,32 @@ def plan_cmd(
     ep: Optional[int] = typer.Option(None, "--ep", help="expert-parallel groups inside the tp ranks "
                                                          "[default: gcd(tp, n_routed_experts)]"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write every figure as JSON here"),
+    contexts: Optional[str] = typer.Option(None, "--contexts", help="also the long-context table at these decode "
+                                                                    "capacities, e.g. 65536,262144,1048576"),
+    chunk: Optional[int] = typer.Option(None, "--chunk", help="with --contexts: the chunked prefill's chunk length "
+                                                              "[default: the largest prefill length]"),
 ) -> None:
     """Per bucket and rank: FLOPs, weight, state and activation bytes against the instance's HBM
-    (exit 2 when it does not fit), the stage kinds to compile and the decode roofline."""
+    (exit 2 when it does not fit), the stage kinds to compile and the decode roofline; with
+    --contexts, per capacity the state, the decode step's and a chunk's need and roofline."""
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.plan import check_fit, make_plan, render
 
     if json_out is not None:
         check_output_file(json_out, "--json")
     model_cfg, compile_cfg, path = load_config(config)
+    caps = None
+    if contexts is not None:
+        try:
+            caps = [int(x) for x in contexts.split(",")]
+        except ValueError:
+            caps = []
+        if not caps or min(caps) <= 0:
+            raise UserError(f"--contexts {contexts!r}: expected positive integers separated by commas")
+    if chunk is not None and chunk <= 0:
+        raise UserError(f"--chunk {chunk}: must be a positive integer")
     plan = make_plan(model_cfg, compile_cfg, target, instance, tp, ep, config_name=config,
-                     log=lambda s: err_console.print(s, highlight=False))
+                     log=lambda s: err_console.print(s, highlight=False), contexts=caps, chunk_len=chunk)
     render(plan, console)
     if json_out is not None:
         json_out.write_text(json.dumps(plan.to_dict(), indent=1))

@@ -32,7 +32,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
+from dsneuron.runtime_min.schema import (CHUNK_SCHEMA_VERSION, SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
                                          WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
                                          Manifest, StateEntry, TensorSpec, Tokenizer, bucket_file,
                                          dtype_name, shard_record)
@@ -183,6 +183,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
+        if compile_cfg.chunked_prefill:
+            plan = plan.with_chunks()
     rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-stablehlo" if stablehlo_only else target)
             for pb in plan.buckets}
     if staged:
@@ -316,7 +318,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
             prepare=recipes, weight_files=weight_files,
-            schema_version=WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION)
+            schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
+                               CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION))
         from dsneuron.runtime_min.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))

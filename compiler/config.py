@@ -33,6 +33,9 @@ class CompileConfig:
         expression, the default) or "kernel" (the FP4 MQA-logits op: the NKI kernel on neuron, its
         torch reference on cpu; fp32 dots and head sum, so scores differ from the golden's by
         bf16 roundings).
+    chunked_prefill: on the cpu target, also compile a chunk bucket (a prefill continuing from
+        state, graphs/steps.py prefill_chunk) per decode capacity above the largest prefill length,
+        so that a prompt up to the largest capacity runs as chunks (README "Long prompts").
     """
 
     max_seq_len: int
@@ -42,6 +45,7 @@ class CompileConfig:
     checkpoint: str | None = None
     seed: int = 0
     indexer: str = "official"
+    chunked_prefill: bool = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":

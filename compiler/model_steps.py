@@ -71,7 +71,7 @@ class GraphsStepFactory:
     def stages(self, kind: str, batch: int, seq_len: int, capacity: int, min_seq_len: int = 0,
                seq_len_step: int = 1, per_token_len: int | None = None) -> list[StageGraph]:
         """The bucket as graphs.stages stages, with example inputs at (batch, seq_len) and, when
-        min_seq_len > 0 (prefill), the token dimension dynamic: the multiples of seq_len_step in
+        min_seq_len > 0 (prefill, chunk), the token dimension dynamic: the multiples of seq_len_step in
         min_seq_len..seq_len. The engram tables' row dimension is dynamic too, so both engram
         layers share one executable. With per_token_len, the per-token stages (embed, engram, MoE
         half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
@@ -80,12 +80,12 @@ class GraphsStepFactory:
         built = stages.build_stages(model, kind, batch, capacity, order=self.order, indexer=self.indexer)
         if self.probes:
             stages.with_probes(built)
-        S = seq_len if kind == "prefill" else 1
+        S = 1 if kind == "decode" else seq_len
         E, C = steps.n_engram_cols(self.cfg)
         data = {"tokens": torch.zeros(batch, S, dtype=torch.int64), "valid_len": torch.full((batch,), S, dtype=torch.int64),
                 "pos": torch.zeros(batch, dtype=torch.int64),
                 **engram_columns(torch.zeros(batch, S, E, C, dtype=torch.int64)),
-                **(steps.init_state(self.cfg, batch, capacity) if kind == "decode" else {})}
+                **(steps.init_state(self.cfg, batch, capacity) if kind != "prefill" else {})}
         fakes = stages.trace_stages(built, data)
         dynamic_tables = {n: {0: "engram_rows"} for n, _ in model.named_parameters() if ".engram.embed." in n}
         out = []
@@ -104,6 +104,8 @@ class GraphsStepFactory:
                 bounds["S"] = (min_seq_len, seq_len, seq_len_step)
                 for n in st.inputs:
                     if n in ("tokens", "h", "pre_mix") or n.startswith("engram_ids.") or n.endswith(".topk_idxs"):
+                        dynamic[n] = {1: "S"}
+                    elif n.endswith(".candidates") and kind == "chunk":  # [B, S, the cache's rows]
                         dynamic[n] = {1: "S"}
                     elif n.endswith(".candidates"):
                         layer = int(n.split(".")[1])

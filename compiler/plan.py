@@ -411,7 +411,8 @@ def _fake_model(cfg: ModelConfig, max_seq_len: int):
 
 def _bucket_env(cfg: ModelConfig, b: PlannedBucket):
     """(wiring values, state names) of bucket b: its data inputs, and its decode state for a decode
-    bucket; made inside a FakeTensorMode by the caller, so nothing is allocated."""
+    or chunk bucket (a chunk: the capacity's last S positions); made inside a FakeTensorMode by the
+    caller, so nothing is allocated."""
     import torch
 
     from dsneuron.graphs.steps import n_engram_cols, state_layout
@@ -419,12 +420,14 @@ def _bucket_env(cfg: ModelConfig, b: PlannedBucket):
     E, C = n_engram_cols(cfg)
     B, S = b.batch, b.seq_len
     env = {"tokens": torch.zeros(B, S, dtype=torch.int64)}
-    env["valid_len" if b.kind == "prefill" else "pos"] = torch.full((B,), S if b.kind == "prefill" else b.capacity - 1,
-                                                                   dtype=torch.int64)
+    if b.kind != "decode":  # a prefill's, or a chunk's: its S tokens are real
+        env["valid_len"] = torch.full((B,), S, dtype=torch.int64)
+    if b.kind != "prefill":  # a decode step at the last position; a chunk ending there
+        env["pos"] = torch.full((B,), b.capacity - (S if b.kind == "chunk" else 1), dtype=torch.int64)
     for e in range(E):
         env[f"engram_ids.{e}"] = torch.zeros(B, S, C, dtype=torch.int64)
     state = state_layout(cfg, B, b.capacity)
-    if b.kind == "decode":
+    if b.kind != "prefill":
         for n, (shape, dtype) in state.items():
             env[n] = torch.empty(shape, dtype=dtype)
     return env, set(state)
@@ -638,6 +641,83 @@ def decode_read(cfg: ModelConfig, par: Parallel, spec: dict) -> dict[str, Any]:
     return {"total": total, "slowest_rank": slowest, "host": host, "by_part": cats}
 
 
+# ----------------------------------------------------------------------------------------- long contexts
+
+
+@dataclass
+class ContextRow:
+    """One decode capacity of the long-context table (`context_rows`), bytes per rank.
+
+    state: one sequence's decode state; decode_activation / chunk_activation: the largest stage
+    activation of a decode step / of a chunk of chunk_len tokens at that capacity (measured as
+    `activation_peak`); decode_need / chunk_need: the worst rank's weights + state + that
+    activation; decode_read: the bytes one decode token reads on the slowest rank (its weights'
+    share as `decode_read`, plus the whole state: the decode graph as written decodes every cache
+    row before attending); chunk_flops: one chunk's FLOPs on the busiest rank; chunk_read: the
+    bytes a chunk reads on the worst rank (all its weights and the state)."""
+
+    capacity: int
+    state: int
+    decode_activation: int
+    decode_need: int
+    decode_read: int
+    decode_roofline_s: float
+    chunk_len: int
+    chunk_flops: float
+    chunk_activation: int
+    chunk_need: int
+    chunk_read: int
+    chunk_roofline_s: float
+    #: chunks of a prompt filling the capacity: its first chunk_len tokens are a prefill
+    chunks: int
+
+
+def context_rows(cfg: ModelConfig, par: Parallel, inst: Instance, held: list[int], read: dict[str, Any],
+                 capacities: list[int], chunk_len: int, log: Callable[[str], None] | None = None) -> list[ContextRow]:
+    """The long-context table: per decode capacity, one sequence's state, the decode step's and a
+    chunk's HBM need on the worst rank and their memory-roofline time (bytes read / the rank's
+    bandwidth), and a chunk's FLOPs. held: weight bytes per rank on the device; read: `decode_read`.
+    Raises UserError for a capacity the state layout refuses or a chunk_len above a capacity."""
+    rows = []
+    r = max(range(par.world), key=held.__getitem__)
+    for c in capacities:
+        if chunk_len > c:
+            raise UserError(f"--chunk {chunk_len}: longer than the capacity {c}")
+        try:
+            st = state_bytes(cfg, 1, c)
+        except ValueError as e:
+            raise UserError(f"--contexts {c}: {e}") from None
+        if log:
+            log(f"context {c}: decode and a chunk of {chunk_len}")
+        dec = PlannedBucket("decode", 1, 1, c)
+        chunk = PlannedBucket("chunk", 1, chunk_len, c)
+        d_act = activation_peak(cfg, par, c, dec)[0]
+        c_act = activation_peak(cfg, par, c, chunk)[0]
+        flops = max(count_flops(cfg, par, c, chunk)[0])
+        d_read = read["slowest_rank"] + st
+        c_read = held[r] + st
+        rows.append(ContextRow(c, st, d_act, held[r] + st + d_act, d_read, d_read / inst.bw_per_rank, chunk_len, flops,
+                               c_act, held[r] + st + c_act, c_read, c_read / inst.bw_per_rank,
+                               -(-(c - chunk_len) // chunk_len)))
+    return rows
+
+
+def render_contexts(rows: list[ContextRow], have: int, console) -> None:
+    """The long-context table."""
+    from rich.table import Table
+
+    t = Table("capacity", "state MiB / seq", "decode need GiB", "verdict", "decode read GiB", "roofline ms/token",
+              "chunk", "chunk FLOPs", "chunk need GiB", "verdict", "chunk roofline ms", "chunks to fill",
+              title=f"long contexts, batch 1, worst rank (have {_g(have)} GiB); decode reads the whole state")
+    for x in rows:
+        t.add_row(f"{x.capacity:,}", f"{x.state / 2**20:.1f}", _g(x.decode_need),
+                  "fits" if x.decode_need <= have else f"short by {_g(x.decode_need - have)}",
+                  _g(x.decode_read), f"{x.decode_roofline_s * 1e3:.2f}", str(x.chunk_len), _flops(x.chunk_flops),
+                  _g(x.chunk_need), "fits" if x.chunk_need <= have else f"short by {_g(x.chunk_need - have)}",
+                  f"{x.chunk_roofline_s * 1e3:.2f}", str(x.chunks))
+    console.print(t)
+
+
 # ----------------------------------------------------------------------------------------- the plan
 
 
@@ -678,6 +758,8 @@ class Plan:
     decode: dict[str, Any]
     checkpoint_bytes: int
     notes: list[str] = field(default_factory=list)
+    #: the long-context table (`context_rows`), empty unless asked for
+    contexts: list[ContextRow] = field(default_factory=list)
 
     @property
     def have(self) -> int:
@@ -708,7 +790,7 @@ class Plan:
             "weights_per_rank": self.weights, "checkpoint_bytes": self.checkpoint_bytes,
             "stage_kinds": self.kinds, "decode_read": self.decode, "roofline_s_per_token": self.roofline_s,
             "fits": self.fits(), "worst": {"bucket": b.label, "rank": r, "need": b.need(r), "have": self.have},
-            "notes": self.notes,
+            "notes": self.notes, "contexts": [dataclasses.asdict(x) for x in self.contexts],
         }
 
 
@@ -728,9 +810,12 @@ def stage_kinds(cfg: ModelConfig) -> dict[str, list[str]]:
 
 def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = "cpu", instance: str | None = None,
               tp: int | None = None, ep: int | None = None, config_name: str = "",
-              log: Callable[[str], None] | None = None) -> Plan:
-    """The plan of a config on a target/instance with tp/ep (defaults: `default_parallel`).
-    Raises UserError (ConfigError) for a bad plan, target, instance or split."""
+              log: Callable[[str], None] | None = None, contexts: list[int] | None = None,
+              chunk_len: int | None = None) -> Plan:
+    """The plan of a config on a target/instance with tp/ep (defaults: `default_parallel`), with the
+    long-context table (`context_rows`) at the decode capacities `contexts` for chunks of
+    chunk_len tokens (default: the largest prefill length). Raises UserError (ConfigError) for a
+    bad plan, target, instance or split."""
     from dsneuron.graphs.engram import engram_layout
     from dsneuron.graphs.spec import checkpoint_spec
 
@@ -766,8 +851,11 @@ def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = 
         "Weights in checkpoint formats; the bundle stores attn.wo_a dequantised to bf16 and the cpu runtime "
         "holds the head in fp32 (graphs/weights.py), which adds to these.",
     ]
-    return Plan(config_name, target, inst, par, out, weights, stage_kinds(model_cfg), decode_read(model_cfg, par, spec),
-                sum(_nbytes(s) for s in spec.values()), notes)
+    read = decode_read(model_cfg, par, spec)
+    rows = context_rows(model_cfg, par, inst, held, read, sorted(contexts), chunk_len or plan.prefill_seq_lens[-1], log) \
+        if contexts else []
+    return Plan(config_name, target, inst, par, out, weights, stage_kinds(model_cfg), read,
+                sum(_nbytes(s) for s in spec.values()), notes, rows)
 
 
 # ----------------------------------------------------------------------------------------- output
@@ -839,6 +927,8 @@ def render(plan: Plan, console) -> None:
                   f"({1 / plan.roofline_s:.0f} tokens/s per sequence at best)", highlight=False)
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False)
+    if plan.contexts:
+        render_contexts(plan.contexts, plan.have, console)
 
 
 def _advice(inst: Instance) -> str:

@@ -98,9 +98,9 @@ class StagedCompile:
                             for n, (shape, dtype) in zip(sg.graph.outputs, sg.output_specs)})
         E, C = _engram_cols(graphs)
         inputs = [{"name": "tokens", "shape": [pb.batch, pb.seq_len], "dtype": "int64"},
-                  {"name": DATA_INPUTS[pb.kind][1], "shape": [pb.batch], "dtype": "int64"},
+                  *({"name": n, "shape": [pb.batch], "dtype": "int64"} for n in DATA_INPUTS[pb.kind][1:-1]),
                   {"name": "engram_ids", "shape": [pb.batch, pb.seq_len, E, C], "dtype": "int64"}]
-        if pb.kind == "decode":
+        if pb.kind != "prefill":
             inputs += [{"name": n, **specs[n]} for n in self.parts.steps.init_state(pb.batch, pb.capacity)]
         self.records[pb] = {"stages": stages, "inputs": inputs, "views": views, "prekey": prekey, "wiring": outputs}
         return False
@@ -129,7 +129,8 @@ class StagedCompile:
         record = self.records[pb]
         if "outputs" not in record:  # made here: its outputs' specs come from the bucket's trace
             specs = record.pop("wiring")
-            state = [s["name"] for s in record["inputs"][3:]] or list(self.parts.steps.init_state(pb.batch, pb.capacity))
+            state = [s["name"] for s in record["inputs"][len(DATA_INPUTS[pb.kind]):]] or \
+                list(self.parts.steps.init_state(pb.batch, pb.capacity))
             probes = [n for st in record["stages"] for n in st["outputs"] if n.startswith(PROBE_PREFIX)]
             record["outputs"] = [{"name": n, **specs[n]} for n in ("logits", *state, *probes)]
             prekey = record.pop("prekey")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -19,7 +20,7 @@ from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
 from .model import Capture, Transformer, gemm_order
-from .steps import decode, prefill
+from .steps import decode, prefill, prefill_chunk
 from .weights import build_model, model_weights
 
 
@@ -76,13 +77,17 @@ class Golden:
 
     @torch.inference_mode()
     def teacher_forced(self, tokens: list[int], n_prompt: int, capture: bool = False,
-                       cpu_kernels: bool = False) -> list[StepRecord]:
+                       cpu_kernels: bool = False, chunks: int | Sequence[int] | None = None) -> list[StepRecord]:
         """Prefill tokens[:n_prompt], then decode tokens[n_prompt:] one at a time (teacher forcing).
 
         Returns len(tokens) - n_prompt + 1 records: the prefill's logits (next-token prediction
         after the prompt) and one per decoded token. cpu_kernels: run the cpu target's numerics
         instead of the golden's (GEMM order "kernel" on the prepared weights, the MoE's grouped
-        GEMM: what its executables compute). Raises ValueError as `check_sequence`.
+        GEMM: what its executables compute). chunks: prefill the prompt as a chunked prefill, as
+        the runtime does (runtime_min/session.py Session.prefill): the first of its
+        `chunk_lengths` a prefill at position 0, the others chunks continuing the state
+        (graphs/steps.py prefill_chunk); the prefill record's capture is the last chunk's. Raises ValueError as
+        `check_sequence` and `chunk_lengths`.
         """
         check_sequence(len(tokens), n_prompt, self.max_seq_len)
         if cpu_kernels:
@@ -92,8 +97,16 @@ class Golden:
         eng = self.engram_ids(ids)
         with gemm_order("kernel") if cpu_kernels else contextlib.nullcontext():
             cap = Capture() if capture else None
-            logits, state = prefill(self.model, ids[:, :n_prompt], torch.tensor([n_prompt]), eng[:, :n_prompt], cap,
+            lengths = [n_prompt] if chunks is None else chunk_lengths(n_prompt, chunks)
+            first = lengths[0]
+            logits, state = prefill(self.model, ids[:, :first], torch.tensor([first]), eng[:, :first], cap,
                                     routed=routed)
+            p = first
+            for n in lengths[1:]:
+                cap = Capture() if capture else None
+                logits, state = prefill_chunk(self.model, ids[:, p:p + n], torch.tensor([p]), torch.tensor([n]),
+                                              eng[:, p:p + n], state, cap, routed=routed)
+                p += n
             out = [StepRecord(logits[0], cap.tensors if cap else None)]
             for p in range(n_prompt, len(tokens)):
                 cap = Capture() if capture else None
@@ -101,6 +114,20 @@ class Golden:
                                        routed=routed)
                 out.append(StepRecord(logits[0], cap.tensors if cap else None))
         return out
+
+
+def chunk_lengths(n_prompt: int, chunks: int | Sequence[int]) -> list[int]:
+    """The chunk lengths of an n_prompt-token chunked prefill: an int c splits it into chunks of c
+    tokens (the last one shorter); a list is taken as given and must sum to n_prompt. Raises
+    ValueError for a chunk length below 1 or a list that does not cover the prompt."""
+    if isinstance(chunks, int):
+        if chunks < 1:
+            raise ValueError(f"chunk length must be >= 1, got {chunks}")
+        return [min(chunks, n_prompt - p) for p in range(0, n_prompt, chunks)]
+    out = [int(c) for c in chunks]
+    if any(c < 1 for c in out) or sum(out) != n_prompt:
+        raise ValueError(f"chunk lengths {out} must be >= 1 and sum to the prompt's {n_prompt} tokens")
+    return out
 
 
 def check_sequence(length: int, n_prompt: int, max_seq_len: int) -> None:

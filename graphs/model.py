@@ -50,6 +50,11 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   of wo_a's outputs one bf16 step or more off). The indexer's score GEMM keeps the official bf16
   expression (kernels_nki/mqa_logits_ref.py); its operands are FP4-QDQ'd, so its fp32 sums are exact.
 - No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
+- Chunks. The reference prefills only at position 0 and decodes one token at a time; a chunk (a
+  prefill continuing from state at any position, StepInputs.chunk) has no counterpart there, so it
+  computes what that many decode steps in order compute: decode's window and compressed index
+  lists per query, decode's pooling of each compressed group, decode's state afterwards
+  (graphs/steps.py prefill_chunk).
 
 Shapes: B batch, S tokens in this call, D dim, H heads, hd head_dim, rd rope_head_dim, W window,
 hc hc_mult, C = max_seq_len // ratio compressed slots, T compressed positions visible to a call.
@@ -489,7 +494,9 @@ class StepInputs:
     """What one call knows about its tokens, shared by every layer.
 
     prefill: pos is None, valid_len [B] int64 (tokens at >= valid_len are right padding);
-    decode: S == 1, pos [B] int64 the position of each row's token, valid_len is None.
+    decode: S == 1, pos [B] int64 the position of each row's token, valid_len is None;
+    chunk (a prefill continuing from state, `chunk`): pos [B] int64 the position of each row's
+    first token, valid_len [B] int64 its tokens in this call (1..S, right padding after).
     rope: cos/sin fp32 [B, S, rd/2] of both layer kinds (False: ratio 0, True: compressed) at the
     tokens' positions; tables: the full [max_seq_len, rd/2] tables, for compressed-group positions.
     """
@@ -510,6 +517,12 @@ class StepInputs:
     def prefill(self) -> bool:
         return self.pos is None
 
+    @property
+    def chunk(self) -> bool:
+        """A chunk: tokens at positions pos .. pos + valid_len - 1 read and extend the state as
+        that many decode steps in order would (graphs/steps.py prefill_chunk)."""
+        return self.pos is not None and self.valid_len is not None
+
 
 def step_inputs(owner: nn.Module, seqlen: int, positions: torch.Tensor, valid_len: torch.Tensor | None,
                 pos: torch.Tensor | None, capture: Capture | None = None) -> StepInputs:
@@ -518,6 +531,29 @@ def step_inputs(owner: nn.Module, seqlen: int, positions: torch.Tensor, valid_le
     tables = {c: (getattr(owner, f"rope_cos_{int(c)}"), getattr(owner, f"rope_sin_{int(c)}")) for c in (False, True)}
     rope = {c: (cos[positions], sin[positions]) for c, (cos, sin) in tables.items()}
     return StepInputs(seqlen, valid_len, pos, rope, tables, capture)
+
+
+# ----------------------------------------------------------------------------------------- chunks
+def newest_positions(start: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    """The ring of n slots after positions start .. start+count-1 were written in order (slot =
+    position % n): int64 [B, n], slot j's newest position t < start + count with t % n == j
+    (negative where no position ever reached slot j). start, count int64 [B]."""
+    last = (start + count - 1).unsqueeze(1)  # [B,1]
+    slots = torch.arange(n, device=start.device)
+    return slots + n * torch.div(last - slots, n, rounding_mode="floor")
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot0: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+    """cache [B,C,X] with rows [B,G,X] written at slots slot0[b] + j (int64 [B]) where write [B,G]
+    is True, the other slots as they were. A where over the cache (row j's slot computed per cache
+    slot), so rows past the cache or not written never collide with a written one."""
+    B, C, X = cache.shape
+    G = rows.size(1)
+    j = torch.arange(C, device=cache.device).unsqueeze(0) - slot0.unsqueeze(1)  # [B,C]: the row landing in slot c
+    inside = (j >= 0) & (j < G)
+    jc = j.clamp(0, G - 1)
+    take = inside & write.gather(1, jc)
+    return torch.where(take.unsqueeze(-1), rows.gather(1, jc.unsqueeze(-1).expand(B, C, X)), cache)
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -558,6 +594,48 @@ class Compressor(nn.Module):
         kv_state = torch.where(live, kv.gather(1, gather), kv_state)
         score_state = torch.where(live, score.gather(1, gather), score_state)
         return latent, kv_state, score_state
+
+    def chunk(self, x: torch.Tensor, start: torch.Tensor, count: torch.Tensor, kv_state: torch.Tensor | None,
+              score_state: torch.Tensor | None):
+        """A chunk's tokens x bf16 [B,S,D] at positions start .. start+count-1 (int64 [B] each) ->
+        (latent bf16 [B,G,hd], first group g0 int64 [B], write bool [B,G], kv_state', score_state').
+
+        Row j of the latent is group g0 + j, the groups whose last token falls in the chunk
+        (g0 = start // r), real where `write`. Each pools the r slots `decode` would hold when it
+        completes: the pending partial group's slots from the state for positions before start,
+        the chunk's rows after, with decode's softmax; the state ends as decode leaves it (slot s
+        holds the newest position t with t % r == s). G = S // r + 1 (a chunk at any start), S for
+        ratio 1."""
+        r = self.ratio
+        B, S, _ = x.shape
+        if r == 1:
+            return self.norm(self.wkv(x)), start, torch.arange(S, device=x.device) < count.unsqueeze(1), None, None
+        xf = x.float()
+        kv, score = self.wkv(xf), self.wgate(xf)  # [B,S,hd]
+        hd = kv.size(-1)
+        G = S // r + 1
+        g0 = torch.div(start, r, rounding_mode="floor")
+        # position of slot s of group g0 + j, [B,G,r], and where it comes from
+        t = ((g0.unsqueeze(1) + torch.arange(G, device=x.device)) * r).unsqueeze(-1) + torch.arange(r, device=x.device)
+        rel = t - start.view(B, 1, 1)
+        fresh = (rel >= 0).unsqueeze(-1)
+        take = rel.clamp(0, S - 1).flatten(1).unsqueeze(-1).expand(B, G * r, hd)
+
+        def gathered(rows: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+            prev = old.unsqueeze(1).expand(B, G, r, hd)
+            return torch.where(fresh, rows.gather(1, take).view(B, G, r, hd), prev)
+
+        kv_g, score_g = gathered(kv, kv_state), gathered(score, score_state)
+        pooled = (kv_g * score_g.softmax(dim=2)).sum(dim=2)
+        latent = self.norm(pooled.to(x.dtype))
+        write = (g0.unsqueeze(1) + torch.arange(G, device=x.device)) < torch.div(start + count, r, rounding_mode="floor").unsqueeze(1)
+        # the slots as decode leaves them: the newest position of each, from the chunk where it is in it
+        src = newest_positions(start, count, r)  # [B,r]
+        new = (src >= start.unsqueeze(1)).unsqueeze(-1)
+        idx = (src - start.unsqueeze(1)).clamp(0, S - 1).unsqueeze(-1).expand(B, r, hd)
+        kv_state = torch.where(new, kv.gather(1, idx), kv_state)
+        score_state = torch.where(new, score.gather(1, idx), score_state)
+        return latent, g0, write, kv_state, score_state
 
     def decode(self, x: torch.Tensor, pos: torch.Tensor, kv_state: torch.Tensor | None, score_state: torch.Tensor | None):
         """x bf16 [B,1,D] -> (latent bf16 [B,1,hd], complete bool [B], kv_state', score_state').
@@ -707,6 +785,8 @@ class Attention(nn.Module):
             idx = (q_pos - W + 1).clamp(min=0) + slots
             idx = torch.where(idx > q_pos, -1, idx)
             return kv, idx.to(torch.int32).unsqueeze(0).expand(B, S, W)
+        if ctx.chunk:
+            return self._window_chunk(kv, kv_raw, ctx, state, new)
         # the new row decodes to kv, the others to what they held: the ring's values stay exact
         ring = write_slot(state[name], state_bytes(kv_raw, fmt), ctx.pos % W)
         new[name] = ring
@@ -716,6 +796,26 @@ class Attention(nn.Module):
         idx = (p % W + 1 + slots) % W
         idx = torch.where(idx > p, -1, idx)
         return ring, idx.to(torch.int32).unsqueeze(1)
+
+    def _window_chunk(self, kv, kv_raw, ctx: StepInputs, state: dict, new: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window of a chunk at positions p = ctx.pos .. p + valid_len - 1: keys bf16 [B, W+S, hd]
+        (the ring as it was, holding positions p-W .. p-1 at slot position % W, then this call's
+        rows) and index list int32 [B,S,W], query p+i seeing positions p+i-W+1 .. p+i oldest first
+        with -1 before position 0: decode's list at that position, over the same values. The ring
+        is left as the decode steps leave it."""
+        B, S, hd = kv.shape
+        W = self.cfg.window_size
+        fmt = window_format(self.cfg.fp8_block_size)
+        name = f"layers.{self.layer_id}.window_kv"
+        p = ctx.pos.view(B, 1, 1)
+        t = p + torch.arange(S, device=kv.device).view(1, S, 1) - (W - 1) + torch.arange(W, device=kv.device)  # [B,S,W]
+        idx = torch.where(t < 0, -1, torch.where(t < p, t % W, W + t - p))
+        old = state[name]
+        src = newest_positions(ctx.pos, ctx.valid_len, W)  # [B,W]
+        fresh = (src >= ctx.pos.unsqueeze(1)).unsqueeze(-1)
+        rows = kv_raw.gather(1, (src - ctx.pos.unsqueeze(1)).clamp(0, S - 1).unsqueeze(-1).expand(B, W, hd))
+        new[name] = torch.where(fresh, state_bytes(rows, fmt), old)
+        return torch.cat([state_values(old, hd, fmt), kv], dim=1), idx.to(torch.int32)
 
     # -------------------------------------------------------------- compressed
     def _compressed(self, x, qr, ctx: StepInputs, offset: int, state: dict, new: dict, shared: dict):
@@ -727,12 +827,19 @@ class Attention(nn.Module):
         if self.is_kv_source:
             ckv_name, ik_name = f"layers.{L}.compress_kv", f"layers.{L}.index_k"
             ks_name, ss_name = f"layers.{L}.kv_state", f"layers.{L}.score_state"
+            g0 = None  # a chunk's first group: its rows go to slots g0 + j
             if ctx.prefill:
                 latent, kvs, scs = self.compressor.prefill(x, ctx.valid_len, state.get(ks_name), state.get(ss_name))
                 G = latent.size(1)
                 j = torch.arange(G, device=x.device)
                 write = j.unsqueeze(0) < (ctx.valid_len // r).unsqueeze(1)  # [B,G] real groups only
                 gcos, gsin = ctx.rope_at((j * r).expand(B, G), True)
+            elif ctx.chunk:
+                latent, g0, write, kvs, scs = self.compressor.chunk(x, ctx.pos, ctx.valid_len, state.get(ks_name),
+                                                                    state.get(ss_name))
+                g = g0.unsqueeze(1) + torch.arange(latent.size(1), device=x.device)  # [B,G]
+                # a group past the context (padding) takes the last table row; it is never written
+                gcos, gsin = ctx.rope_at((g * r).clamp(max=ctx.tables[True][0].size(0) - 1), True)
             else:
                 latent, complete, kvs, scs = self.compressor.decode(x, ctx.pos, state.get(ks_name), state.get(ss_name))
                 write = complete.unsqueeze(1)  # [B,1]
@@ -741,10 +848,15 @@ class Attention(nn.Module):
                 new[ks_name], new[ss_name] = kvs, scs
             _cap(cap, f"layers.{L}.compressor.latent", latent)
             slot0 = None if ctx.prefill else ctx.pos // r
+
+            def put(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                if g0 is not None:
+                    return write_rows(cache, rows, g0, write)
+                return self._write(cache, rows, write, slot0)
             # the indexer needs the latent before RoPE, so its keys are made first (model.py _compress_kv)
             if self.is_index_source:
                 k = self.indexer.keys(latent, gcos, gsin)
-                new[ik_name] = self._write(state[ik_name], k, write, slot0)
+                new[ik_name] = put(state[ik_name], k)
                 shared["index_k"] = new[ik_name]
             latent = with_rope_tail(latent, cfg.rope_head_dim, gcos, gsin)
             # compressed KV: FP4 e2m1 with one e4m3 scale per 16 channels (model.py _compress_kv),
@@ -752,7 +864,7 @@ class Attention(nn.Module):
             rows = state_bytes(latent, COMPRESS_KV_FORMAT)
             if cap is not None:
                 _cap(cap, f"layers.{L}.compress_kv.entry", state_values(rows, cfg.head_dim, COMPRESS_KV_FORMAT))
-            new[ckv_name] = self._write(state[ckv_name], rows, write, slot0)
+            new[ckv_name] = put(state[ckv_name], rows)
             shared["compress_kv"] = new[ckv_name]
         T = S // r if ctx.prefill else shared["compress_kv"].size(1)
         compress_kv = state_values(leading(shared["compress_kv"], T), cfg.head_dim, COMPRESS_KV_FORMAT)
@@ -807,6 +919,9 @@ class Attention(nn.Module):
         t = torch.arange(T, device=x.device)
         if ctx.prefill:
             compress_lens = (torch.arange(1, ctx.seqlen + 1, device=x.device) // r).unsqueeze(-1)  # [S,1]
+        elif ctx.chunk:  # query i at position pos + i, as its decode step
+            q_pos = ctx.pos.view(-1, 1, 1) + torch.arange(ctx.seqlen, device=x.device).view(1, -1, 1)
+            compress_lens = torch.div(q_pos + 1, r, rounding_mode="floor")  # [B,S,1]
         else:
             compress_lens = ((ctx.pos + 1) // r).view(-1, 1, 1)  # [B,1,1]
         scores = scores.masked_fill(t >= compress_lens, -math.inf)

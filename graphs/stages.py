@@ -17,19 +17,20 @@ Values flow between stages by name (the bundle's wiring):
 | name | shape | dtype | what |
 |---|---|---|---|
 | tokens | [B, S] | int64 | data input |
-| valid_len / pos | [B] | int64 | data input of prefill / decode |
+| valid_len / pos | [B] | int64 | data input of prefill / decode; a chunk takes both (start, tokens) |
 | last | [B] | int64 | the position the head reads: valid_len - 1 / 0 (derived on the host, `head_position`) |
 | engram_ids.e | [B, S, C] | int64 | the hash ids of the e-th engram layer (the host splits engram_ids) |
 | h, pre_mix | [B, S, hc, D] / [B, S, hc] | bf16 / fp32 | the hyper-connection stream between stages |
 | layers.L.<state> | graphs.steps.state_layout | | layer L's decode state (prefill: outputs only) |
 | layers.L.topk_idxs | [B, S, index_topk] | int32 | index source L's compressed selections |
-| layers.L.candidates | [B, S, T] | bool | candidate source L's candidate mask (T = S // ratio in prefill) |
+| layers.L.candidates | [B, S, T] | bool | candidate source L's candidate mask (T = S // ratio in prefill, the cache's rows in decode and chunk) |
 | logits | [B, V] | fp32 | the head's output |
 | probe.<stage> | | | captured stage tensors (probe bundles only) |
 
 A block that reads another layer's cache (a consumer of kv source K) takes `layers.K.compress_kv`
 (and `layers.K.index_k`) as inputs: the source's updated state, written by an earlier stage of
-the same step. Prefill stages make their layer's fresh state themselves and return it.
+the same step. Prefill stages make their layer's fresh state themselves and return it; decode and
+chunk stages take it as inputs.
 Running the stages in order is bit-identical to the step function (tests/test_stages.py).
 """
 
@@ -45,7 +46,9 @@ from .config import ModelConfig
 from .model import Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, indexer_mode, step_inputs
 from .steps import init_state, state_layout
 
-DATA = {"prefill": ("tokens", "valid_len"), "decode": ("tokens", "pos")}
+#: the data inputs of each step besides engram_ids; a chunk (graphs/steps.py prefill_chunk) is a
+#: prefill continuing from state at per-row start positions `pos`
+DATA = {"prefill": ("tokens", "valid_len"), "decode": ("tokens", "pos"), "chunk": ("tokens", "pos", "valid_len")}
 
 
 @dataclass
@@ -189,11 +192,11 @@ def _half(block: nn.Module, which: str) -> nn.Module:
 
 
 class AttnStage(_Captures):
-    """The attention half of block `layer` (graphs.model Block.attn_sublayer) in a prefill or
-    decode step, with the RoPE tables; it holds only the attention's parameters, so attention
+    """The attention half of block `layer` (graphs.model Block.attn_sublayer) in a prefill, decode
+    or chunk step, with the RoPE tables; it holds only the attention's parameters, so attention
     halves of one kind have the same parameters and buffers.
 
-    forward(h, pre_mix, valid_len | pos, *own state (decode only), *shared inputs)
+    forward(h, pre_mix, valid_len | pos | pos and valid_len, *own state (decode, chunk), *shared inputs)
         -> (h, pre_mix, *own state, *shared outputs, *probes); the pre_mix out is the one the MoE
         half of the same layer collapses the stream with
     """
@@ -211,8 +214,8 @@ class AttnStage(_Captures):
 
     @property
     def input_names(self) -> tuple[str, ...]:
-        own = tuple(self.state_names) if self.step == "decode" else ()
-        return ("h", "pre_mix", DATA[self.step][1], *own, *self.shared_in.values())
+        own = tuple(self.state_names) if self.step != "prefill" else ()
+        return ("h", "pre_mix", *DATA[self.step][1:], *own, *self.shared_in.values())
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -226,6 +229,12 @@ class AttnStage(_Captures):
             ctx = step_inputs(self, S, positions, lens, None, cap)
             fresh = init_state(self.cfg, B, self.capacity, h.device)
             state = {n: fresh[n] for n in self.state_names}
+        elif self.step == "chunk":  # lens: the start positions, then the valid lengths (steps.prefill_chunk)
+            valid_len, rest = rest[0], rest[1:]
+            positions = (lens.unsqueeze(1) + torch.arange(S, device=h.device)).clamp(max=self.capacity - 1)
+            ctx = step_inputs(self, S, positions, valid_len, lens, cap)
+            state = dict(zip(self.state_names, rest[:len(self.state_names)]))
+            rest = rest[len(self.state_names):]
         else:
             ctx = step_inputs(self, 1, lens.unsqueeze(1), None, lens, cap)
             state = dict(zip(self.state_names, rest[:len(self.state_names)]))
@@ -271,11 +280,11 @@ def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending",
                  indexer: str = "official") -> list[Stage]:
-    """The stages of a prefill or decode step of `model` at (batch, capacity), in run order, each
-    running with GEMM order `order` (the golden's "ascending" by default; the compiled steps trace
-    theirs) and indexer mode `indexer`. Raises ValueError for an unknown step."""
+    """The stages of a prefill, decode or chunk step of `model` at (batch, capacity), in run order,
+    each running with GEMM order `order` (the golden's "ascending" by default; the compiled steps
+    trace theirs) and indexer mode `indexer`. Raises ValueError for an unknown step."""
     if step not in DATA:
-        raise ValueError(f"build_stages: step must be prefill or decode, got {step!r}")
+        raise ValueError(f"build_stages: step must be one of {tuple(DATA)}, got {step!r}")
     cfg = model.cfg
     stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"), per_token=True)]
     for L in range(cfg.n_layers):

@@ -2,10 +2,20 @@
 
     prefill(tokens[B,S], valid_len[B], engram_ids[B,S,E,C]) -> (logits[B,V] fp32, *state)
     decode(tokens[B,1], pos[B], engram_ids[B,1,E,C], *state) -> (logits[B,V] fp32, *state')
+    prefill_chunk(tokens[B,S], pos[B], valid_len[B], engram_ids[B,S,E,C], *state) -> (logits[B,V] fp32, *state')
 
-Prefill always starts a sequence at position 0 (no chunked prefill), so it takes no state and
-returns a complete one. Logits are those of each row's last valid token. Engram hash ids are
-computed on the host (`dsneuron.runtime_min.engram_hash`); E = 0 for models without engram.
+Prefill starts a sequence at position 0, so it takes no state and returns a complete one. A chunk
+(chunked prefill) continues a sequence from its state: row b's valid_len[b] tokens sit at
+positions pos[b] .. pos[b] + valid_len[b] - 1 (any pos; right padding after), and the call reads
+and extends the window ring, the compressed KV, the compressor's pending partial group, the indexer
+keys and the candidate blocks exactly as that many decode steps in order would. The official
+reference has no chunked prefill (prefill only at start_pos 0, decode one token at a time:
+reference/deepseek_v4_arch.md section 3), so a chunk's numerics are the reference's decode
+composed: each query attends over decode's index list at its position (the window W wide, oldest
+first, then the compressed top-k over the whole cache), and its compressed groups pool the slots
+decode would hold. With the golden's exact GEMMs a chunk is bit-identical to its decode steps
+(tests/test_chunked_prefill.py). Logits are those of each row's last valid token. Engram hash ids
+are computed on the host (`dsneuron.runtime_min.engram_hash`); E = 0 for models without engram.
 
 State layout (`state_layout`), all sized by batch B and context capacity M = max_seq_len:
 
@@ -110,6 +120,21 @@ def decode(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, engram_i
     """tokens int64 [B,1] at positions pos int64 [B] (< max_seq_len) -> (logits fp32 [B,V], state')."""
     ctx = model.inputs(1, pos.unsqueeze(1), None, pos, capture)
     logits, new = model.run(tokens, ctx, engram_ids, state, torch.zeros_like(pos), routed)
+    return logits, {name: new.get(name, state[name]) for name in state}
+
+
+def prefill_chunk(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, valid_len: torch.Tensor,
+                  engram_ids: torch.Tensor, state: dict[str, torch.Tensor], capture: Capture | None = None,
+                  routed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A chunk of a prefill (module docstring): tokens int64 [B,S] (right-padded), row b's
+    valid_len[b] in 1..S tokens at positions pos[b] .. pos[b] + valid_len[b] - 1 (pos int64 [B],
+    pos + valid_len <= max_seq_len), engram_ids int64 [B,S,E,C] (hashed with the history before
+    pos), state at the model's capacity -> (logits fp32 [B,V] at each row's last valid token,
+    state'). Padding positions past the capacity read the last RoPE row and write nothing."""
+    B, S = tokens.shape
+    positions = (pos.unsqueeze(1) + torch.arange(S, device=tokens.device)).clamp(max=model.max_seq_len - 1)
+    ctx = model.inputs(S, positions, valid_len, pos, capture)
+    logits, new = model.run(tokens, ctx, engram_ids, state, valid_len - 1, routed)
     return logits, {name: new.get(name, state[name]) for name in state}
 
 

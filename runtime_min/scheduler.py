@@ -212,7 +212,8 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def check(self, r: Request) -> None:
         """RequestError naming the field and the limit unless the bundle can run `r`: prompt ids
-        1..(largest prefill bucket) ids within the vocabulary, max_tokens a positive integer within
+        within the vocabulary, as many as Session.check_prompt_length allows (the largest prefill
+        bucket, or the context capacity where the bundle has chunk buckets), max_tokens a positive integer within
         the context capacity (session.check_context), sampling values and seed as sampling.py,
         stop at most MAX_STOP non-empty strings."""
         ids = r.prompt_ids
@@ -222,7 +223,7 @@ class Scheduler:
             raise RequestError(f"prompt token ids must be integers in 0..{self.vocab_size - 1} (the vocabulary)",
                                "prompt")
         try:
-            select.pick_prefill(self.session.prefill_lengths(self.prefill_batch), len(ids))
+            self.session.check_prompt_length(len(ids))
         except UserError as e:
             raise RequestError(str(e), "prompt") from None
         if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:

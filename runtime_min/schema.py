@@ -41,6 +41,11 @@ multiple of `seq_len_step` from min_seq_len to seq_len tokens: its executables h
 dimension, and the runtime pads a prompt only up to the next such count (`Bucket.padded_len`).
 Prefill data inputs: tokens [B, S] int64 (right-padded), valid_len [B] int64, engram_ids [B, S, E, C]
 int64. Decode data inputs: tokens [B, 1] int64, pos [B] int64, engram_ids [B, 1, E, C] int64.
+Chunk buckets (schema version 4; a prefill continuing from state, graphs/steps.py prefill_chunk):
+tokens [B, S] int64 (right-padded), pos [B] int64 (each row's first position), valid_len [B]
+int64, engram_ids [B, S, E, C] int64, then the state at `capacity`, like a decode bucket's; the
+file name's length is the capacity, and min_seq_len may give it a range of token counts as a
+prefill's.
 
 State across capacities: a state tensor whose shape depends on the context capacity differs from its
 shape at another capacity in exactly one dimension; rows along it are indexed by position (or by a
@@ -62,8 +67,9 @@ from dsneuron import UserError
 
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
-#: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3)
+#: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files,
+#: 4 chunk buckets
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4)
 #: the version of a manifest with `weight_files` (weights in several shards): an older runtime
 #: would look for every tensor in weights_file
 WEIGHT_FILES_SCHEMA_VERSION = 3
@@ -74,9 +80,12 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUCKETS_DIR = "buckets"
-KINDS = ("prefill", "decode")
+KINDS = ("prefill", "decode", "chunk")
 #: the data inputs of each kind, in order, before the state inputs (module docstring)
-DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids")}
+DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids"),
+               "chunk": ("tokens", "pos", "valid_len", "engram_ids")}
+#: the version of a manifest with chunk buckets: an older runtime does not know the kind
+CHUNK_SCHEMA_VERSION = 4
 #: wiring values of a staged bucket the runtime derives from its data inputs: "engram_ids.e" (column e
 #: of engram_ids, [B, S, C]) and "last" (int64 [B], the position the head reads: valid_len - 1 in a
 #: prefill, 0 in a decode step)
@@ -262,9 +271,9 @@ class Stage:
 class Bucket:
     """One compiled executable.
 
-    kind: "prefill" or "decode".
+    kind: "prefill", "decode" or "chunk" (a prefill continuing from state: module docstring).
     batch: batch dimension B.
-    seq_len: tokens per call (prefill: the bucket's S; decode: 1).
+    seq_len: tokens per call (prefill, chunk: the bucket's S; decode: 1).
     capacity: context capacity of the state it reads and writes (positions 0..capacity-1).
     file: bundle-relative path of the executable.
     weights: names in weights.safetensors passed first, in this order.
@@ -273,8 +282,8 @@ class Bucket:
         bucket, the sha256 of its stage executables' keys.
     stages: the stages of a staged bucket (then `file` is the folder of their executables and
         `weights` is empty), or () for a single executable.
-    min_seq_len: > 0 for a prefill bucket that takes a range of token counts: every multiple of
-        seq_len_step in min_seq_len..seq_len.
+    min_seq_len: > 0 for a prefill or chunk bucket that takes a range of token counts: every
+        multiple of seq_len_step in min_seq_len..seq_len.
     """
 
     kind: str
@@ -308,7 +317,7 @@ class Bucket:
 
     @property
     def length(self) -> int:
-        """The length in the file name: seq_len for prefill, capacity for decode."""
+        """The length in the file name: seq_len for prefill, capacity for decode and chunk."""
         return self.seq_len if self.kind == "prefill" else self.capacity
 
     def check_inputs(self, inputs: list[torch.Tensor]) -> None:
@@ -359,8 +368,8 @@ class Bucket:
         if not isinstance(min_seq_len, int) or isinstance(min_seq_len, bool) or not 0 <= min_seq_len <= ints["seq_len"]:
             raise BundleError(f"manifest {where}.min_seq_len: must be an integer in 0..seq_len={ints['seq_len']} "
                               f"(got {min_seq_len!r})")
-        if min_seq_len and kind != "prefill":
-            raise BundleError(f"manifest {where}.min_seq_len: only a prefill bucket takes a range of token counts")
+        if min_seq_len and kind == "decode":
+            raise BundleError(f"manifest {where}.min_seq_len: a decode bucket takes one token per call, not a range")
         step = r.get("seq_len_step", 1)
         if not isinstance(step, int) or isinstance(step, bool) or step < 1 or (min_seq_len and min_seq_len % step):
             raise BundleError(f"manifest {where}.seq_len_step: must be a positive integer dividing min_seq_len "
@@ -565,7 +574,7 @@ def _check_buckets(m: "Manifest") -> None:
     Raises BundleError naming the first violation."""
     if not m.buckets:
         raise BundleError(f"{MANIFEST}: buckets is empty (a bundle needs at least one prefill and one decode bucket)")
-    for kind in KINDS:
+    for kind in ("prefill", "decode"):  # chunk buckets are optional
         if not any(b.kind == kind for b in m.buckets):
             raise BundleError(f"{MANIFEST}: buckets has no {kind} bucket (a bundle needs at least one of each kind)")
     seen: dict[tuple[str, int, int], int] = {}
@@ -579,8 +588,11 @@ def _check_buckets(m: "Manifest") -> None:
         seen[key] = i
         if b.kind == "decode" and b.seq_len != 1:
             raise BundleError(f"{where}.seq_len: a decode bucket takes one token per call (got {b.seq_len})")
-        if b.kind == "prefill" and b.capacity < b.seq_len:
-            raise BundleError(f"{where}.capacity: {b.capacity} cannot hold the prefill's {b.seq_len} positions")
+        if b.kind in ("prefill", "chunk") and b.capacity < b.seq_len:
+            raise BundleError(f"{where}.capacity: {b.capacity} cannot hold the {b.kind}'s {b.seq_len} positions")
+        if b.kind == "chunk" and m.schema_version < CHUNK_SCHEMA_VERSION:
+            raise BundleError(f"{where}: a chunk bucket needs schema version {CHUNK_SCHEMA_VERSION} (the manifest says "
+                              f"{m.schema_version})")
         if not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
             raise BundleError(f"{where}.outputs: the first output must be the logits [batch={b.batch}, V > 0]")
         vocab.add(b.outputs[0].shape[1])
@@ -592,8 +604,8 @@ def _check_buckets(m: "Manifest") -> None:
             _check_stages(b, where)
     decode_batches = {b.batch for b in m.buckets if b.kind == "decode"}
     for b in m.buckets:
-        if b.kind == "prefill" and b.batch not in decode_batches:
-            raise BundleError(f"{MANIFEST}: buckets has a prefill bucket of batch {b.batch} but no decode bucket "
+        if b.kind != "decode" and b.batch not in decode_batches:
+            raise BundleError(f"{MANIFEST}: buckets has a {b.kind} bucket of batch {b.batch} but no decode bucket "
                               "of that batch to continue it")
     if len(vocab) != 1:
         raise BundleError(f"{MANIFEST}: buckets disagree on the logits width V ({sorted(vocab)})")
@@ -615,15 +627,15 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
     got = [s.name for s in b.inputs[:len(names)]]
     if got != list(names):
         raise BundleError(f"{where}.inputs: a {b.kind} bucket takes {', '.join(names)} first (got {', '.join(got) or 'none'})")
-    tokens, lengths, engram = b.inputs[:3]
-    want = {tokens.name: (b.batch, b.seq_len), lengths.name: (b.batch,)}
-    for spec in (tokens, lengths, engram):
+    tokens, *lengths, engram = b.inputs[:len(names)]
+    want = {tokens.name: (b.batch, b.seq_len), **{x.name: (b.batch,) for x in lengths}}
+    for spec in (tokens, *lengths, engram):
         shape_ok = spec.shape == want[spec.name] if spec.name in want else \
             (len(spec.shape) == 4 and spec.shape[:2] == (b.batch, b.seq_len))
         if spec.dtype != "int64" or not shape_ok:
             shape = list(want[spec.name]) if spec.name in want else f"[{b.batch}, {b.seq_len}, E, C]"
             raise BundleError(f"{where}.inputs: {spec.name} must be int64 {shape} (got {spec.dtype} {list(spec.shape)})")
-    for spec in b.inputs[3:]:
+    for spec in b.inputs[len(names):]:
         if spec.name not in state:
             raise BundleError(f"{where}.inputs: {spec.name} is neither a data input nor a state tensor of the manifest")
     for spec in b.outputs[1:]:

@@ -2,8 +2,10 @@
 
 Selection is first-fit and inclusive: a need of n uses the smallest bucket size >= n, so n equal to
 a bucket uses that bucket (unlike NxDI's strict `<`), and n = b + 1 moves to the next one. Needs
-above the largest bucket are a UserError naming the limit: there is no chunked prefill and no
-splitting of a batch into several calls.
+above the largest bucket are a UserError naming the limit. A prompt above the largest prefill
+bucket runs as a chunked prefill where the bundle has chunk buckets (runtime_min/session.py
+Session.prefill), at the smallest chunk capacity holding it (`pick_chunk_capacity`); a batch is
+never split into several calls.
 
 Padding: prompts are right-padded to the bucket's seq_len and carry their valid length; rows added
 to reach the batch bucket hold one pad token (valid length 1) and their outputs are dropped.
@@ -40,6 +42,17 @@ def pick_prefill(seq_lens: Sequence[int], prompt_len: int) -> int:
         raise UserError(f"prompt has {prompt_len} tokens; the largest prefill bucket of this bundle holds "
                         f"{max(seq_lens)} (compile.prefill_seq_lens); shorten the prompt")
     return s
+
+
+def pick_chunk_capacity(capacities: Sequence[int], prompt_len: int) -> int:
+    """The chunk bucket capacity a chunked prefill of prompt_len tokens runs at; UserError naming
+    the context capacity (the largest) when none holds the prompt."""
+    c = first_fit(capacities, prompt_len)
+    if c is None:
+        raise UserError(f"prompt has {prompt_len} tokens; the context capacity of this bundle is {max(capacities)} "
+                        "tokens (compile.decode_context_lens; longer prompts than the largest prefill bucket run as "
+                        "chunks up to it); shorten the prompt")
+    return c
 
 
 def pick_capacity(capacities: Sequence[int], positions: int) -> int:

@@ -7,13 +7,20 @@
 Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> one request per prompt
 through the scheduler (runtime_min/scheduler.py, the one decode loop, shared with `dsneuron
 serve`): each prompt's prefill at the smallest batch bucket, right-padded to its prefill bucket
-(first-fit, runtime_min/select.py), engram ids on the host from the manifest's parameters, state
+(first-fit, runtime_min/select.py), or, for a prompt past the largest prefill bucket in a bundle
+with chunk buckets, a chunked prefill (`Session.prefill`: its first chunk a prefill, the others
+chunk buckets continuing the state with the numerics of decode steps), engram ids on the host
+from the manifest's parameters, state
 starting as the manifest's fill values when the prefill takes state inputs -> sample -> decode one
 token per active row per step at the smallest batch bucket holding the rows, each row at its own
 position, at the smallest decode capacity holding the positions in use, resizing the state
 between capacities (schema.py: append fill rows to grow, drop unused trailing rows to shrink) ->
 stop a row at EOS (not part of its text) or max_new_tokens. Any number of prompts: those past the
 largest batch bucket wait for a free row, and each prompt's output is what it gets alone.
+
+Prompt limit, decided up front (`check_prompt_length`): the largest prefill bucket, or, where the
+bundle has chunk buckets, the largest capacity they continue (the context capacity); the refusal
+names the limit.
 
 Context limit, decided up front: a prompt of L tokens may generate N tokens only when
 L + N - 1 <= the largest decode capacity. The prefill holds positions 0..L-1 and its logits give the
@@ -190,10 +197,6 @@ class Session:
     def _lengths(self, kind: str, batch: int) -> list[int]:
         return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
 
-    def prefill_lengths(self, batch: int) -> list[int]:
-        """The seq_lens of the prefill buckets of batch size `batch`, ascending."""
-        return self._lengths("prefill", batch)
-
     def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
         key = (kind, batch, length)
         if key not in self._loaded:
@@ -237,7 +240,7 @@ class Session:
         temperature 0 is greedy; otherwise temperature/top-p sampling, each prompt from its own
         torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
         receives a prompt's text as it is final. Raises UserError naming the limit for an empty
-        prompt, a prompt longer than the largest prefill bucket, prompt + max_new_tokens - 1
+        prompt, a prompt `check_prompt_length` refuses, prompt + max_new_tokens - 1
         beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
         values (runtime_min/sampling.py).
         """
@@ -260,9 +263,13 @@ class Session:
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         batch = select.pick_batch(self.batch_sizes, 1)
         longest = max(len(x) for x in ids)
-        seq_len = select.pick_prefill(self._lengths("prefill", batch), longest)
+        self.check_prompt_length(longest)
         check_context(longest, max_new_tokens, self.max_capacity)
-        self.last_stats = GenerationStats(longest, f"b{batch} s{seq_len}", len(ids))
+        lengths = self._lengths("prefill", batch)
+        label = (f"b{batch} s{select.pick_prefill(lengths, longest)}" if longest <= max(lengths) else
+                 f"b{batch} s{max(lengths)} + chunks at capacity "
+                 f"{select.pick_chunk_capacity(self._lengths('chunk', batch), longest)}")
+        self.last_stats = GenerationStats(longest, label, len(ids))
         scheduler = Scheduler(self, stats=self.last_stats)
         index: dict[str, int] = {}
 
@@ -313,17 +320,70 @@ class Session:
             results.append(StepResult(outs[0][0], probes, seconds, state_in))
         return results
 
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """The prefill of one prompt as it runs alone: at the smallest batch bucket, right-padded to
-        the smallest prefill bucket holding it. Returns (logits [vocab] fp32 after the prompt's last
-        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
-        [batch, H] int64 or None). Raises UserError when the prompt exceeds the largest prefill
-        bucket (runtime_min/select.py pick_prefill)."""
+    def check_prompt_length(self, n_tokens: int) -> None:
+        """Raise UserError naming the limit unless `prefill` runs a prompt of n_tokens tokens: up to
+        the largest prefill bucket in one call, or, in a bundle with chunk buckets, up to the
+        largest capacity they continue (the chunked prefill's limit, the context capacity)."""
         batch = select.pick_batch(self.batch_sizes, 1)
+        lengths = self._lengths("prefill", batch)
+        if n_tokens <= max(lengths) or not self._lengths("chunk", batch):
+            select.pick_prefill(lengths, n_tokens)
+            return
+        select.pick_chunk_capacity(self._lengths("chunk", batch), n_tokens)
+
+    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """The prefill of one prompt as it runs alone, at the smallest batch bucket: right-padded to
+        the smallest prefill bucket holding it; a prompt longer than the largest prefill bucket P,
+        in a bundle with chunk buckets, as a chunked prefill: its first P tokens in the prefill
+        bucket, then chunks of up to P tokens, each continuing the state at its start position
+        (graphs/steps.py prefill_chunk: the numerics of that many decode steps), at the smallest
+        chunk capacity holding the prompt. Returns (logits [vocab] fp32 after the prompt's last
+        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
+        [batch, H] int64 or None). Raises UserError as `check_prompt_length`."""
+        self.check_prompt_length(len(ids))
+        batch = select.pick_batch(self.batch_sizes, 1)
+        P = max(self._lengths("prefill", batch))
+        if len(ids) > P:
+            return self.chunked_prefill(list(ids), P)
         seq_len = select.pick_prefill(self._lengths("prefill", batch), len(ids))
         exe, args, history = self._prefill_call([list(ids)], batch, seq_len)
         outs = exe.run(args)
         return outs[0][0], self._collect(exe.bucket, outs), history
+
+    def chunked_prefill(self, ids: Sequence[int], chunk: int
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+        """A chunked prefill of one prompt at the smallest batch bucket: the prefill of its first
+        `chunk` tokens, then chunks of up to `chunk` tokens (each run at its chunk bucket's padded
+        length) at the smallest chunk capacity holding the prompt; rows past 0 are filler (one pad
+        token at position 0). `prefill` runs a prompt past the largest prefill bucket P this way
+        with chunk = P; a smaller chunk must be a length the prefill and chunk buckets take.
+        Returns as `prefill`. Raises UserError when the bundle has no chunk bucket or none holds
+        the prompt, ValueError for a chunk length the buckets do not take."""
+        ids = list(ids)
+        batch = select.pick_batch(self.batch_sizes, 1)
+        if not self._lengths("chunk", batch):
+            raise UserError(f"this bundle has no chunk bucket of batch {batch} (compile with compile.chunked_prefill "
+                            "and a decode capacity above the largest prefill length)")
+        capacity = select.pick_chunk_capacity(self._lengths("chunk", batch), len(ids))
+        first = min(chunk, len(ids))
+        exe, args, history = self._prefill_call([ids[:first]], batch,
+                                                select.pick_prefill(self._lengths("prefill", batch), first))
+        outs = exe.run(args)
+        state = self._collect(exe.bucket, outs)
+        exe = self._executable("chunk", batch, capacity)
+        pad = self.manifest.tokenizer.pad_token_id
+        for p in range(first, len(ids), chunk):
+            part = ids[p:p + chunk]
+            tokens, valid = select.pad_prompts([part], batch, exe.bucket.padded_len(len(part)), pad)
+            pos = torch.zeros(batch, dtype=torch.int64)
+            pos[0] = p
+            engram = None
+            if self.hasher is not None:
+                engram, history = self.hasher.hash(tokens, history, valid)
+            data = {"tokens": tokens, "pos": pos, "valid_len": valid, "engram_ids": engram}
+            outs = exe.run(self._inputs(exe.bucket, data, self._state_for(exe.bucket, state)))
+            state = self._collect(exe.bucket, outs)
+        return outs[0][0], state, history
 
     def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
         """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch,

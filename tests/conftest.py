@@ -62,6 +62,7 @@ def micro_bundle(tmp_path_factory: pytest.TempPathFactory, micro_checkpoint: Pat
 
     model_cfg, compile_cfg, _ = load_config("micro")
     compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+                                      chunked_prefill=False,  # its chunk bucket: tests/test_chunked_prefill.py (slow)
                                       checkpoint=str(micro_checkpoint))
     root = tmp_path_factory.mktemp("micro_bundle")
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache", probes=True)

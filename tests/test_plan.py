@@ -230,3 +230,20 @@ def test_plan_command_prints_the_table_and_writes_json(monkeypatch, capsys, tmp_
     assert dec["need"][0] == dec["weights"][0] + dec["state"] + dec["activation"]
     assert set(data["stage_kinds"]) >= {attn_kind(model, L) for L in range(model.n_layers)}
     assert data["decode_read"]["total"] > 0 and data["roofline_s_per_token"] > 0
+
+
+@pytest.mark.slow
+def test_long_context_table_grows_with_the_capacity():
+    """`plan --contexts`: per capacity the state is the state layout's bytes, the decode need and
+    read grow by exactly the state's growth plus the activation's, and a chunk is counted."""
+    cfg, cc, _ = load_config("micro")
+    plan = P.make_plan(cfg, cc, "neuron", "trn2.3xlarge", 4, 2, contexts=[256, 64], chunk_len=16)
+    rows = plan.contexts
+    assert [x.capacity for x in rows] == [64, 256]
+    for x in rows:
+        assert x.state == P.state_bytes(cfg, 1, x.capacity)
+        assert x.decode_read == plan.decode["slowest_rank"] + x.state
+        assert x.chunk_flops > 0 and x.chunk_activation > 0 and x.chunks == -(-(x.capacity - 16) // 16)
+    assert rows[1].decode_read - rows[0].decode_read == rows[1].state - rows[0].state > 0
+    assert rows[1].chunk_flops > rows[0].chunk_flops  # the indexer scores every compressed row
+    assert "contexts" in plan.to_dict()
