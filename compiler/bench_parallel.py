@@ -66,7 +66,7 @@ def run(config: str, tp: int, ep: int, n_decode: int) -> dict:
 def generate_timed(session, out, prompt: str, n_decode: int, repeats: int) -> None:
     """A runtime_min/sharded.py job (and the one-process run): greedy generation of `prompt`
     `repeats` times; out("stdout", JSON) gets the tokens and the best repeat's decode steps, decode
-    seconds and collective seconds (runtime_min/session.py GenerationStats)."""
+    seconds and collective seconds (runtime_min/scheduler.py GenerationStats)."""
     best = None
     for _ in range(repeats):
         ids = session.generate_ids([prompt], n_decode)[0]

@@ -16,7 +16,11 @@ One step:
 2. waiting requests are admitted in arrival order while a row is free (the largest decode batch
    bucket bounds the rows): each runs a prefill of its own at the smallest batch bucket (batch 1
    where the bundle has it; other rows are filler), whose logits give its first token and whose
-   state row 0 (and engram history row) is copied into the next row;
+   state row 0 (and engram history row) is copied into the next row. A prompt past the largest
+   prefill bucket runs as a chunked prefill (Session.prefill_job) one chunk per step, holding a
+   row meanwhile, so the running requests go on decoding between its chunks instead of waiting
+   for the whole prompt; one such prompt at a time (the next one waits in the queue, the short
+   ones behind it are admitted);
 3. one decode over the active rows at the smallest batch bucket holding them: rows 0..n-1, each
    feeding its last token at its own position (prompt + generated - 1), at the smallest context
    capacity holding every row's position (Session._decode_call). A row is freed the moment its
@@ -46,7 +50,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -55,9 +59,6 @@ from dsneuron import UserError
 from . import select
 from .sampling import check_params, check_seed, sample
 from .collectives import collective_seconds
-
-if TYPE_CHECKING:
-    from .session import GenerationStats, Session
 
 #: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
 MAX_STOP = 4
@@ -103,6 +104,47 @@ def check_context(prompt_len: int, max_new_tokens: int, capacity: int, name: str
                         f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
                         f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
                         f"{name} <= {capacity - prompt_len + 1}")
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last `Session.generate` call, in seconds (wall clock, time.perf_counter).
+
+    prompt_tokens: the longest prompt's token count; prefill_bucket: "b<batch> s<seq_len>" of the
+    longest prompt's prefill executable; rows: the prompts; load_s: executables loaded on first use
+    during the call (counted in the step that needed them); prefill_s: the prefill steps (one per
+    prompt), logits included; first_token_s: from the call's start to the first token sampled
+    (encoding and bucket choice included); decode_steps / decode_s: the decode steps after the
+    prefills; decode_tokens: the rows they decoded, summed over the steps; tokens_per_s:
+    decode_tokens / decode_s; collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
+    (runtime_min/collectives.py collective_seconds; 0 for one process).
+    """
+
+    prompt_tokens: int
+    prefill_bucket: str
+    rows: int
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    collective_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One line for people: prefill, time to first token, decode rate."""
+        load = (f"; executables loaded on first use {self.load_s:.3f} s (in the prefill and decode times)"
+                if self.load_s else "")
+        decode = (f"decode {self.decode_steps} steps, {self.decode_tokens} tokens of {self.rows} rows in "
+                  f"{self.decode_s:.3f} s = {self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
+        if self.collective_s:
+            decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"
+        return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s; "
+                f"time to first token {self.first_token_s:.3f} s; {decode}{load}")
 
 
 class RequestError(UserError):
@@ -156,6 +198,7 @@ class Request:
         self._generator = torch.Generator()
         self._stream: TextStream | None = None
         self._pending = ""  # final text held back: it may be the start of a stop string
+        self._job = None  # its runtime_min/session.py PrefillJob while the prompt is prefilled
 
     @property
     def finished(self) -> bool:
@@ -184,13 +227,14 @@ class Request:
 
 
 class Scheduler:
-    """Continuous batching of `Request`s over a loaded Session (module docstring).
+    """Continuous batching of `Request`s over a loaded runtime_min/session.py Session (module
+    docstring; not imported here: the session runs its prompts through a Scheduler).
 
     max_queue: waiting requests at most (None: no bound, for a caller that submits a known list);
     stats: a GenerationStats that the steps add their times to (Session.generate's last_stats).
     """
 
-    def __init__(self, session: "Session", max_queue: int | None = None, stats: "GenerationStats | None" = None):
+    def __init__(self, session, max_queue: int | None = None, stats: GenerationStats | None = None):
         if max_queue is not None and max_queue < 1:
             raise UserError(f"max_queue must be a positive integer, got {max_queue}")
         self.session = session
@@ -203,6 +247,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i holds _running[i]
+        self._prefilling: Request | None = None  # a prompt in chunked prefill, one chunk a step
         self._state: dict[str, torch.Tensor] = {}  # each [batch >= rows, ...]
         self._history: torch.Tensor | None = None  # engram history [batch, H] of the same rows
         self._accepting = True
@@ -273,7 +318,7 @@ class Scheduler:
     def cancel_all(self) -> None:
         """Cancel every waiting and running request (each ends "abort" at the next step)."""
         with self._lock:
-            for r in [*self._waiting, *self._running]:
+            for r in [*self._waiting, *self._running, *([self._prefilling] if self._prefilling else [])]:
                 r.cancelled = True
         self.wake.set()
 
@@ -283,11 +328,12 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Rows in use: decoding requests, and a prompt in chunked prefill."""
+        return len(self._running) + (self._prefilling is not None)
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._prefilling)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> None:
@@ -316,25 +362,50 @@ class Scheduler:
         for r in [r for r in self._running if r.cancelled]:
             self._free(r)
             self._end(r, "abort")
+        if self._prefilling is not None and self._prefilling.cancelled:
+            r, self._prefilling = self._prefilling, None
+            self._end(r, "abort")
 
     def _admit(self) -> None:
-        s = self.session
-        while len(self._running) < self.max_rows:
+        """Step 2 of the module docstring. A prompt past the largest prefill bucket (chunked
+        prefill, Session.prefill_job) holds a row while it runs one chunk per step; one such
+        prompt at a time, the requests behind it in the queue go on being admitted unless they
+        need chunks too (they wait for it, in arrival order)."""
+        if self._prefilling is not None:
+            self._prefill(self._prefilling)
+        while len(self._running) + (self._prefilling is not None) < self.max_rows:
             with self._lock:
                 if not self._waiting:
                     return
-                r = self._waiting.popleft()
-            t0 = time.perf_counter()
-            try:
-                logits, state, history = s.prefill(r.prompt_ids)
-            except BaseException as e:
-                self._end(r, "error", f"{type(e).__name__}: {e}")
-                raise
-            if self.stats is not None:
-                self.stats.prefill_s += time.perf_counter() - t0
-            self._accept(r, int(sample(logits[None], r.temperature, r.top_p, r._generator)[0]))
-            if not r.finished:
-                self._place(r, state, history)
+                r = self._waiting[0]
+                if self._prefilling is not None and self.session.needs_chunks(len(r.prompt_ids)):
+                    return
+                self._waiting.popleft()
+            self._prefill(r)
+
+    def _prefill(self, r: Request) -> None:
+        """The next executable call of r's prefill (the first one creates its job); when the
+        prompt is done, its first token and its row."""
+        t0 = time.perf_counter()
+        try:
+            if r._job is None:
+                r._job = self.session.prefill_job(r.prompt_ids)
+            done = r._job.step()
+        except BaseException as e:
+            self._prefilling = None
+            self._end(r, "error", f"{type(e).__name__}: {e}")
+            raise
+        if self.stats is not None:
+            self.stats.prefill_s += time.perf_counter() - t0
+        if not done:
+            self._prefilling = r
+            return
+        self._prefilling = None
+        logits, state, history = r._job.result
+        r._job = None  # its state is copied into the row: not kept twice
+        self._accept(r, int(sample(logits[None], r.temperature, r.top_p, r._generator)[0]))
+        if not r.finished:
+            self._place(r, state, history)
 
     def _place(self, r: Request, state: dict[str, torch.Tensor], history: torch.Tensor | None) -> None:
         """Copy row 0 of a prefill's state (and engram history) into the next free row."""

@@ -50,7 +50,7 @@ from . import schema, select
 from .bundle import Bundle, is_stablehlo, open_bundle
 from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
 from .sampling import check_params, check_seed
-from .scheduler import Request, Scheduler, check_context
+from .scheduler import GenerationStats, Request, Scheduler, check_context
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 if TYPE_CHECKING:
@@ -70,47 +70,6 @@ class StepResult:
     probes: dict[str, torch.Tensor]
     seconds: float
     state_in: dict[str, torch.Tensor]
-
-
-@dataclass
-class GenerationStats:
-    """Timings of the last `Session.generate` call, in seconds (wall clock, time.perf_counter).
-
-    prompt_tokens: the longest prompt's token count; prefill_bucket: "b<batch> s<seq_len>" of the
-    longest prompt's prefill executable; rows: the prompts; load_s: executables loaded on first use
-    during the call (counted in the step that needed them); prefill_s: the prefill steps (one per
-    prompt), logits included; first_token_s: from the call's start to the first token sampled
-    (encoding and bucket choice included); decode_steps / decode_s: the decode steps after the
-    prefills; decode_tokens: the rows they decoded, summed over the steps; tokens_per_s:
-    decode_tokens / decode_s; collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
-    (runtime_min/collectives.py collective_seconds; 0 for one process).
-    """
-
-    prompt_tokens: int
-    prefill_bucket: str
-    rows: int
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    collective_s: float = 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def summary(self) -> str:
-        """One line for people: prefill, time to first token, decode rate."""
-        load = (f"; executables loaded on first use {self.load_s:.3f} s (in the prefill and decode times)"
-                if self.load_s else "")
-        decode = (f"decode {self.decode_steps} steps, {self.decode_tokens} tokens of {self.rows} rows in "
-                  f"{self.decode_s:.3f} s = {self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
-        if self.collective_s:
-            decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"
-        return (f"prefill {self.prompt_tokens} tokens (bucket {self.prefill_bucket}) {self.prefill_s:.3f} s; "
-                f"time to first token {self.first_token_s:.3f} s; {decode}{load}")
 
 
 def fresh_state(specs: Sequence[TensorSpec], fills: dict[str, StateEntry]) -> dict[str, torch.Tensor]:
@@ -144,6 +103,38 @@ def make_engram_hasher(params: dict):
         return NgramHasher(params)
     except (TypeError, ValueError) as e:  # TypeError: a value of the wrong JSON type
         raise BundleError(f"manifest host_preprocessing.engram: {e}") from None
+
+
+class PrefillJob:
+    """One prompt's prefill, one executable call per `step` (Session.prefill_job): the scheduler
+    runs a long prompt's chunks between the decode steps of the running requests.
+    `step()` runs the next call and returns True when the prompt is done; `result` is then
+    (logits [vocab] fp32, state {name: [batch, ...]} with the prompt in row 0, engram history
+    [batch, H] int64 or None)."""
+
+    def __init__(self, calls):
+        # a prompt that fits a prefill bucket comes as its result (its one call ran already); a
+        # chunked one as the generator of its calls (Session._chunks)
+        self._calls = calls if not isinstance(calls, tuple) else None
+        self.result = calls if isinstance(calls, tuple) else None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def step(self) -> bool:
+        if self.result is None:
+            try:
+                next(self._calls)
+            except StopIteration as end:
+                self.result = end.value
+        return self.result is not None
+
+    def run(self):
+        """Every call left; returns `result`."""
+        while not self.step():
+            pass
+        return self.result
 
 
 class Session:
@@ -263,8 +254,12 @@ class Session:
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         batch = select.pick_batch(self.batch_sizes, 1)
         longest = max(len(x) for x in ids)
-        self.check_prompt_length(longest)
-        check_context(longest, max_new_tokens, self.max_capacity)
+        for i, x in enumerate(ids):  # the one at fault named, among several
+            try:
+                self.check_prompt_length(len(x))
+                check_context(len(x), max_new_tokens, self.max_capacity)
+            except UserError as e:
+                raise UserError(f"prompt {i}: {e}" if len(ids) > 1 else str(e)) from None
         lengths = self._lengths("prefill", batch)
         label = (f"b{batch} s{select.pick_prefill(lengths, longest)}" if longest <= max(lengths) else
                  f"b{batch} s{max(lengths)} + chunks at capacity "
@@ -331,40 +326,54 @@ class Session:
             return
         select.pick_chunk_capacity(self._lengths("chunk", batch), n_tokens)
 
+    def needs_chunks(self, n_tokens: int) -> bool:
+        """Whether a prompt of n_tokens is past the largest prefill bucket (`prefill_job` runs it
+        in chunks)."""
+        return n_tokens > max(self._lengths("prefill", select.pick_batch(self.batch_sizes, 1)))
+
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """The prefill of one prompt as it runs alone, at the smallest batch bucket: right-padded to
-        the smallest prefill bucket holding it; a prompt longer than the largest prefill bucket P,
-        in a bundle with chunk buckets, as a chunked prefill: its first P tokens in the prefill
-        bucket, then chunks of up to P tokens, each continuing the state at its start position
-        (graphs/steps.py prefill_chunk: the numerics of that many decode steps), at the smallest
-        chunk capacity holding the prompt. Returns (logits [vocab] fp32 after the prompt's last
-        token, the state {name: [batch, ...]} whose row 0 is the prompt's, the engram history
-        [batch, H] int64 or None). Raises UserError as `check_prompt_length`."""
-        self.check_prompt_length(len(ids))
-        batch = select.pick_batch(self.batch_sizes, 1)
-        P = max(self._lengths("prefill", batch))
-        if len(ids) > P:
-            return self.chunked_prefill(list(ids), P)
-        seq_len = select.pick_prefill(self._lengths("prefill", batch), len(ids))
-        exe, args, history = self._prefill_call([list(ids)], batch, seq_len)
-        outs = exe.run(args)
-        return outs[0][0], self._collect(exe.bucket, outs), history
+        """The prefill of one prompt as it runs alone (`prefill_job`, run to its end). Returns
+        (logits [vocab] fp32 after the prompt's last token, the state {name: [batch, ...]} whose
+        row 0 is the prompt's, the engram history [batch, H] int64 or None). Raises UserError as
+        `check_prompt_length`."""
+        return self.prefill_job(ids).run()
 
     def chunked_prefill(self, ids: Sequence[int], chunk: int
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """A chunked prefill of one prompt at the smallest batch bucket: the prefill of its first
-        `chunk` tokens, then chunks of up to `chunk` tokens (each run at its chunk bucket's padded
-        length) at the smallest chunk capacity holding the prompt; rows past 0 are filler (one pad
-        token at position 0). `prefill` runs a prompt past the largest prefill bucket P this way
-        with chunk = P; a smaller chunk must be a length the prefill and chunk buckets take.
-        Returns as `prefill`. Raises UserError when the bundle has no chunk bucket or none holds
-        the prompt, ValueError for a chunk length the buckets do not take."""
+        """`prefill` of one prompt in chunks of `chunk` tokens (`prefill_job`), whatever its length;
+        a chunk must be a length the prefill and chunk buckets take. Raises UserError when the
+        bundle has no chunk bucket or none holds the prompt, ValueError for a chunk length the
+        buckets do not take."""
+        return self.prefill_job(ids, chunk).run()
+
+    def prefill_job(self, ids: Sequence[int], chunk: int | None = None) -> "PrefillJob":
+        """The prefill of one prompt as it runs alone, at the smallest batch bucket, as a
+        `PrefillJob` of one executable call at a time: right-padded to the smallest prefill bucket
+        holding it, one call; a prompt longer than the largest prefill bucket P (or any prompt,
+        given `chunk`), in a bundle with chunk buckets, as a chunked prefill: its first P (chunk)
+        tokens in a prefill bucket, then chunks of up to P (chunk) tokens, each run at its chunk
+        bucket's padded length and continuing the state at its start position (graphs/steps.py
+        prefill_chunk: the numerics of that many decode steps), at the smallest chunk capacity
+        holding the prompt; rows past 0 are filler. Raises UserError as `check_prompt_length`."""
         ids = list(ids)
+        self.check_prompt_length(len(ids))
         batch = select.pick_batch(self.batch_sizes, 1)
+        lengths = self._lengths("prefill", batch)
+        if chunk is None and len(ids) <= max(lengths):
+            return PrefillJob(self._one_shot(ids, batch, select.pick_prefill(lengths, len(ids))))
         if not self._lengths("chunk", batch):
             raise UserError(f"this bundle has no chunk bucket of batch {batch} (compile with compile.chunked_prefill "
                             "and a decode capacity above the largest prefill length)")
         capacity = select.pick_chunk_capacity(self._lengths("chunk", batch), len(ids))
+        return PrefillJob(self._chunks(ids, batch, chunk or max(lengths), capacity))
+
+    def _one_shot(self, ids: list[int], batch: int, seq_len: int):
+        exe, args, history = self._prefill_call([ids], batch, seq_len)
+        outs = exe.run(args)
+        return outs[0][0], self._collect(exe.bucket, outs), history
+
+    def _chunks(self, ids: list[int], batch: int, chunk: int, capacity: int):
+        """Generator of `prefill_job`'s chunked calls: yields after each but the last, returns as `prefill`."""
         first = min(chunk, len(ids))
         exe, args, history = self._prefill_call([ids[:first]], batch,
                                                 select.pick_prefill(self._lengths("prefill", batch), first))
@@ -373,6 +382,7 @@ class Session:
         exe = self._executable("chunk", batch, capacity)
         pad = self.manifest.tokenizer.pad_token_id
         for p in range(first, len(ids), chunk):
+            yield
             part = ids[p:p + chunk]
             tokens, valid = select.pad_prompts([part], batch, exe.bucket.padded_len(len(part)), pad)
             pos = torch.zeros(batch, dtype=torch.int64)

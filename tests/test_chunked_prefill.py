@@ -192,8 +192,8 @@ def test_the_refusal_names_the_context_capacity():
 # ----------------------------------------------------------------------------------------- the cpu target (slow)
 @pytest.fixture(scope="module")
 def chunk_session(tmp_path_factory, micro_checkpoint):
-    """micro compiled with one prefill bucket of 16 tokens and a capacity of 64: prefill, decode and
-    a chunk bucket at 64 (about 6 minutes on 2 cores)."""
+    """micro compiled with batch buckets 1 and 2, one prefill bucket of 16 tokens and a capacity of
+    64: prefill, decode and a chunk bucket at 64 per batch size (about 10 minutes on 2 cores)."""
     import dataclasses
 
     from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
@@ -201,7 +201,7 @@ def chunk_session(tmp_path_factory, micro_checkpoint):
     from dsneuron.runtime_min.session import Session
 
     model_cfg, compile_cfg, _ = load_config("micro")
-    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1, 2), prefill_seq_lens=(16,), decode_context_lens=(64,),
                                       checkpoint=str(micro_checkpoint))
     root = tmp_path_factory.mktemp("micro_chunk")
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
@@ -214,7 +214,7 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
     capacity 64. Its logits are the bundle's own prefill + 34 decode steps bit for bit, and track
     the golden's chunked prefill no worse than the floors (compiler/compare.py's end-to-end rule)."""
     s = chunk_session
-    assert [b.kind for b in s.manifest.buckets] == ["prefill", "decode", "chunk"] and s.manifest.schema_version == 4
+    assert {b.kind for b in s.manifest.buckets} == {"prefill", "decode", "chunk"} and s.manifest.schema_version == 4
     ids = _ids(50, 2)[0].tolist()
     logits, state, history = s.prefill(ids)
     assert torch.equal(logits, s.teacher_forced(ids, 16)[-1].logits)
@@ -226,6 +226,37 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
     allowed = max(1 - logit_metrics(floor, ref)["cos"], 1 - logit_metrics(nudge, ref)["cos"])
     assert 1 - logit_metrics(logits, ref)["cos"] <= allowed
     assert state["layers.0.window_kv"].shape[1] == micro_golden.cfg.window_size and history is not None
+
+
+@pytest.mark.slow
+def test_a_long_prompt_is_chunked_between_the_decode_steps_of_the_others(chunk_session):
+    """runtime_min/scheduler.py: a 50-token prompt (prefill 16, chunks 16, 16, 2) arrives while a
+    short request decodes on the other row: each step runs one of its calls and one decode of the
+    short request, and both get the tokens they get alone."""
+    from dsneuron.runtime_min.scheduler import Request, Scheduler
+
+    s = chunk_session
+    short, long = s.encode("Hello there"), _ids(50, 2)[0].tolist()
+    alone = []
+    for ids, n in ((short, 20), (long, 6)):
+        r = Request(ids, n)
+        one = Scheduler(s)
+        one.submit(r)
+        one.run()
+        alone.append(r.generated)
+    sched = Scheduler(s)
+    a, b = Request(short, 20), Request(long, 6)
+    sched.submit(a)
+    sched.step()
+    sched.submit(b)
+    for calls in range(1, 4):  # the prefill and two chunks: b holds a row, a decodes on
+        before = len(a.generated)
+        sched.step()
+        assert sched._prefilling is b and not b.generated and len(a.generated) == before + 1, calls
+    sched.step()  # the last chunk: b's first token, and a decode of both rows
+    assert sched._prefilling is None and len(b.generated) == 2
+    sched.run()
+    assert [a.generated, b.generated] == alone
 
 
 @pytest.mark.slow
