@@ -139,7 +139,8 @@ class GenerationStats:
         """One line for people: prefill, time to first token, decode rate."""
         load = (f"; executables loaded on first use {self.load_s:.3f} s (in the prefill and decode times)"
                 if self.load_s else "")
-        decode = (f"decode {self.decode_steps} steps, {self.decode_tokens} tokens of {self.rows} rows in "
+        decode = (f"decode {self.decode_steps} steps, {self.decode_tokens} tokens of {self.rows} "
+                  f"row{'s' if self.rows != 1 else ''} in "
                   f"{self.decode_s:.3f} s = {self.tokens_per_s:.1f} tokens/s" if self.decode_steps else "decode: no step")
         if self.collective_s:
             decode += f" (of which {self.collective_s:.3f} s in this rank's collectives)"

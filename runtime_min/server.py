@@ -4,8 +4,8 @@
 
 Endpoints (OpenAI API reference; runtime_min/openai_protocol.py for the bodies):
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/chat.py: the
-DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200, 503 while
-shutting down); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
+DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200; 503 once
+draining, for an in-process drain: SIGTERM closes the socket); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
 tokens, finished requests by reason, rejected requests by status, time to first token, inter-token
 latency and request latency histograms).
 
