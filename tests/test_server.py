@@ -429,14 +429,18 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(bundle):
         results.append(reasons[-1])
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    started.wait(TIMEOUT)
-    t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(TIMEOUT)
-    assert server.proc.wait(30) == 0
+    try:
+        for t in threads:
+            t.start()
+        started.wait(TIMEOUT)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(TIMEOUT)
+        assert server.proc.wait(30) == 0
+    finally:  # a failing test leaves no server behind
+        if server.proc.poll() is None:
+            server.proc.kill()
     assert time.monotonic() - t0 < 3 + 5  # the grace period, and slack for a loaded host
     assert sorted(results) and all(r in ("length", "abort") for r in results) and len(results) == 4
     with pytest.raises(openai.APIConnectionError):
