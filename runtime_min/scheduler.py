@@ -39,7 +39,7 @@ before the string, as the OpenAI API's `stop`; "stop"), at max_tokens ("length")
 Streaming: `listener(request, piece)` is called after every token a request samples (piece: the
 text that became final, possibly ""), and once when it ends, with `finish_reason` set. Text that
 could be the start of a stop string is held back until it cannot, so the pieces concatenate to
-the final text. Threads: `submit`, `cancel`, `close` and the counters may be used from any
+the final text. Threads: `submit`, `cancel`, `cancel_all` and the counters may be used from any
 thread; `step` from one thread at a time.
 """
 
@@ -160,10 +160,6 @@ class QueueFull(UserError):
     """The waiting queue holds `max_queue` requests already (the server answers 429)."""
 
 
-class Closed(UserError):
-    """The scheduler admits no new request (`close`: the server is shutting down; 503)."""
-
-
 @dataclass(eq=False)
 class Request:
     """One generation. prompt_ids: token ids (BOS included when wanted, `Session.encode`);
@@ -243,7 +239,6 @@ class Scheduler:
         self.stats = stats
         self.decode_batches = sorted({b.batch for b in session.manifest.buckets if b.kind == "decode"})
         self.max_rows = max(self.decode_batches)
-        self.prefill_batch = select.pick_batch(session.batch_sizes, 1)
         self.vocab_size = session.vocab_size
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
@@ -251,7 +246,6 @@ class Scheduler:
         self._prefilling: Request | None = None  # a prompt in chunked prefill, one chunk a step
         self._state: dict[str, torch.Tensor] = {}  # each [batch >= rows, ...]
         self._history: torch.Tensor | None = None  # engram history [batch, H] of the same rows
-        self._accepting = True
         #: set whenever there is work; an engine thread may wait on it when idle
         self.wake = threading.Event()
 
@@ -289,7 +283,7 @@ class Scheduler:
 
     def submit(self, r: Request) -> Request:
         """Queue `r` (after `check`); returns it. Raises RequestError, QueueFull when max_queue
-        requests wait already, Closed after `close`."""
+        requests wait already."""
         self.check(r)
         if r.seed is None:
             r._generator.seed()
@@ -297,8 +291,6 @@ class Scheduler:
             r._generator.manual_seed(r.seed)
         r._stream = TextStream(self.session.decode)
         with self._lock:
-            if not self._accepting:
-                raise Closed("the server is shutting down and admits no new request")
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later")
             r.arrival = time.perf_counter()
@@ -310,11 +302,6 @@ class Scheduler:
         """End `r` at the next step ("abort"), freeing its row; nothing for an ended request."""
         r.cancelled = True
         self.wake.set()
-
-    def close(self) -> None:
-        """Admit no new request (submit raises Closed); the queued and running ones go on."""
-        with self._lock:
-            self._accepting = False
 
     def cancel_all(self) -> None:
         """Cancel every waiting and running request (each ends "abort" at the next step)."""

@@ -53,7 +53,7 @@ from dsneuron import UserError
 
 from . import chat
 from .openai_protocol import ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists, usage
-from .scheduler import Closed, QueueFull, Request, RequestError, Scheduler
+from .scheduler import QueueFull, Request, RequestError, Scheduler
 from .session import Session
 
 log = logging.getLogger("dsneuron.serve")
@@ -67,6 +67,10 @@ SHUTDOWN_S = 2.0
 POLL_S = 0.25
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                     40.0, 80.0)
+
+
+class Closed(UserError):
+    """The server is shutting down and admits no new request (503)."""
 
 
 class Metrics:
@@ -468,7 +472,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return fail(ProtocolError("the server shut down before this request got a row; retry it elsewhere", 503,
                                       type="service_unavailable", code="shutting_down"))
         return JSONResponse(reply.full([r.text for r in reqs], [r.finish_reason for r in reqs],
-                                       usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
+                                       total_usage(reqs)))
 
     async def _stream(reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
         def event(obj: dict) -> str:
@@ -486,7 +490,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 elif piece or reason is not None:
                     yield event(reply.chunk(index, piece, reason))
             if include_usage:
-                yield event(reply.usage_chunk(usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))))
+                yield event(reply.usage_chunk(total_usage(reqs)))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (the generator is closed) or all ended
             for r in reqs:
@@ -494,6 +498,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     engine.cancel(r)
 
     return app
+
+
+def total_usage(reqs: list[Request]) -> dict:
+    """The OpenAI usage of one HTTP request's prompts: prompt tokens, tokens sampled (EOS included)."""
+    return usage(sum(len(r.prompt_ids) for r in reqs), sum(r.sampled for r in reqs))
 
 
 class _Server(uvicorn.Server):

@@ -118,10 +118,6 @@ class PrefillJob:
         self._calls = calls if not isinstance(calls, tuple) else None
         self.result = calls if isinstance(calls, tuple) else None
 
-    @property
-    def done(self) -> bool:
-        return self.result is not None
-
     def step(self) -> bool:
         if self.result is None:
             try:
@@ -161,6 +157,8 @@ class Session:
         self._buckets = {(b.kind, b.batch, b.length): b for b in m.buckets}
         self._loaded: dict[tuple[str, int, int], CpuExecutable | NeuronExecutable] = {}
         self.batch_sizes = sorted({b.batch for b in m.buckets if b.kind == "prefill"})
+        #: every prefill runs one prompt, at the smallest batch bucket (rows past 0 are filler)
+        self.prefill_batch = select.pick_batch(self.batch_sizes, 1)
         cols = {tuple(s.shape[2:]) for b in m.buckets for s in b.inputs if s.name == "engram_ids"}
         self.engram_cols = max(cols, default=(0, 0))
         params = m.host_preprocessing.get("engram")
@@ -252,7 +250,7 @@ class Session:
         check_seed(seed)
         start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
-        batch = select.pick_batch(self.batch_sizes, 1)
+        batch = self.prefill_batch
         longest = max(len(x) for x in ids)
         for i, x in enumerate(ids):  # the one at fault named, among several
             try:
@@ -294,7 +292,7 @@ class Session:
         if len(ids) > self.max_capacity:
             raise UserError(f"sequence of {len(ids)} tokens exceeds the context capacity of this bundle, "
                             f"{self.max_capacity} tokens (compile.decode_context_lens)")
-        batch = select.pick_batch(self.batch_sizes, 1)
+        batch = self.prefill_batch
         seq_len = select.pick_prefill(self._lengths("prefill", batch), n_prompt)
         exe, args, history = self._prefill_call([ids[:n_prompt]], batch, seq_len)
         results, state = [], {}
@@ -319,7 +317,7 @@ class Session:
         """Raise UserError naming the limit unless `prefill` runs a prompt of n_tokens tokens: up to
         the largest prefill bucket in one call, or, in a bundle with chunk buckets, up to the
         largest capacity they continue (the chunked prefill's limit, the context capacity)."""
-        batch = select.pick_batch(self.batch_sizes, 1)
+        batch = self.prefill_batch
         lengths = self._lengths("prefill", batch)
         if n_tokens <= max(lengths) or not self._lengths("chunk", batch):
             select.pick_prefill(lengths, n_tokens)
@@ -329,7 +327,7 @@ class Session:
     def needs_chunks(self, n_tokens: int) -> bool:
         """Whether a prompt of n_tokens is past the largest prefill bucket (`prefill_job` runs it
         in chunks)."""
-        return n_tokens > max(self._lengths("prefill", select.pick_batch(self.batch_sizes, 1)))
+        return n_tokens > max(self._lengths("prefill", self.prefill_batch))
 
     def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         """The prefill of one prompt as it runs alone (`prefill_job`, run to its end). Returns
@@ -357,7 +355,7 @@ class Session:
         holding the prompt; rows past 0 are filler. Raises UserError as `check_prompt_length`."""
         ids = list(ids)
         self.check_prompt_length(len(ids))
-        batch = select.pick_batch(self.batch_sizes, 1)
+        batch = self.prefill_batch
         lengths = self._lengths("prefill", batch)
         if chunk is None and len(ids) <= max(lengths):
             return PrefillJob(self._one_shot(ids, batch, select.pick_prefill(lengths, len(ids))))
