@@ -26,9 +26,11 @@ namespace dsn {
 namespace {  // internal linkage: the AVX2 and the portable build can share a process without clashes
 
 // hint that the 64-byte line `ahead` bytes past p is read soon (integer arithmetic: the address may
-// lie past the weight's end, which a prefetch never faults on)
+// lie past the weight's end, which a prefetch never faults on). Into L2 only (locality 1): the
+// kernels prefetch a whole panel ahead (16-32 KB), which into the 32 KB L1 evicts itself before its
+// use; measured on the bf16 head (129280 x 1024) at M = 1, 2 threads: 16.8 -> 6.3 ms a call
 inline void prefetch(const void* p, int64_t ahead) {
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + uintptr_t(ahead)), 0, 3);
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + uintptr_t(ahead)), 0, 1);
 }
 
 #if DSN_AVX2
