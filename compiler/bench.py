@@ -112,10 +112,93 @@ def _measure_compile(args: dict) -> dict:
     return {"seconds": time.perf_counter() - t0}
 
 
+def stage_read_bytes(bucket: Any, weights: dict[str, Any], model: dict[str, Any]) -> dict[str, int]:
+    """Weight bytes each stage of a decode `bucket` reads for one row, by stage name: its tensors as
+    the executables take them (runtime_min/schema.py `Prepare`: checkpoint bytes, the scales
+    widened to fp32), of the stacked routed experts the share n_activated / n_routed, of the
+    embedding one row, of an engram table the rows of its hash columns."""
+    share = model["n_activated_experts"] / model["n_routed_experts"]
+    cols = (model["engram_max_ngram_size"] - 1) * model["engram_n_heads"]
+    out = {}
+    for st in bucket.stages:
+        total = 0
+        for name in st.weights:
+            t = weights[name]
+            n = t.numel() * t.element_size()
+            if name == "embed.weight":
+                n //= t.shape[0]
+            elif ".engram.embed." in name:
+                n = n // t.shape[0] * cols
+            elif ".experts_" in name:
+                n = int(n * share)
+            total += n
+        out[st.name] = total
+    return out
+
+
+def by_stage_kind(bucket: Any, seconds: dict[str, float], per: int, nbytes: dict[str, int] | None = None) -> list[dict]:
+    """Per-stage seconds (summed over `per` calls) of `bucket` grouped by stage kind (the stage's
+    executable, graphs/stages.py): [{kind, stages, seconds per call, bytes per call}] in stage order."""
+    rows: dict[str, dict] = {}
+    for st in bucket.stages:
+        kind = Path(st.file).stem
+        r = rows.setdefault(kind, {"kind": kind, "stages": 0, "s": 0.0, "bytes": 0})
+        r["stages"] += 1
+        r["s"] += seconds.get(st.name, 0.0) / per
+        r["bytes"] += (nbytes or {}).get(st.name, 0)
+    return list(rows.values())
+
+
+def gemm_shapes(model: dict[str, Any], tokens: int) -> dict[tuple[int, int, int], int]:
+    """{(M, K, N): count} of the linear layers of a `tokens`-token prefill, from the checkpoint's
+    tensor shapes (graphs/spec.py): M = tokens for the dense projections, tokens * k / E per routed
+    expert, tokens / ratio for the indexer keys (wk, on the compressed rows), 1 for the head; the
+    embedding and engram tables are lookups, not GEMMs. For the host's bf16 GEMM rate at the
+    prefill's shapes (`mm_seconds`)."""
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.engram import engram_layout
+    from dsneuron.graphs.spec import checkpoint_spec
+
+    cfg = ModelConfig.from_dict(model)
+    rows = engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ()
+    out: dict[tuple[int, int, int], int] = {}
+    for name, spec in checkpoint_spec(cfg, rows).items():
+        if len(spec.shape) != 2 or name.startswith("mtp.") or not name.endswith((".weight", "_fn")) \
+                or name == "embed.weight" or ".engram.embed." in name or name.endswith(("q_weight", "k_weight")):
+            continue
+        n, k = spec.shape
+        k *= 2 if spec.dtype == "I8" else 1  # FP4 packs two values a byte
+        m = tokens
+        if name == "head.weight":
+            m = 1
+        elif ".ffn.experts." in name:
+            m = max(1, round(tokens * model["n_activated_experts"] / model["n_routed_experts"]))
+        elif ".indexer.wk." in name:
+            m = max(1, tokens // max(1, model["compress_ratios"][int(name.split(".")[1])]))
+        out[(m, k, n)] = out.get((m, k, n), 0) + 1
+    return out
+
+
+def mm_seconds(shapes: dict[tuple[int, int, int], int], repeats: int) -> tuple[float, float]:
+    """(seconds, FLOPs) of torch.mm in bf16 (the host BLAS, fp32 accumulation) over `shapes`
+    ({(M, K, N): count}), each shape's median of `repeats` calls times its count."""
+    import torch
+
+    from dsneuron.graphs.bench import median_seconds
+
+    seconds = flops = 0.0
+    for (m, k, n), count in shapes.items():
+        a, b = torch.randn(m, k).bfloat16(), torch.randn(k, n).bfloat16()
+        torch.mm(a, b)
+        seconds += count * median_seconds(lambda: torch.mm(a, b), repeats)
+        flops += count * 2.0 * m * k * n
+    return seconds, flops
+
+
 def _measure_bundle(args: dict) -> dict:
     import torch
 
-    from dsneuron.kernels_nki.cpu_bench import stream_gbs
+    from dsneuron.kernels_nki.cpu_bench import peak_gflops, stream_gbs
     from dsneuron.runtime_min.session import Session
 
     t0 = time.perf_counter()
@@ -125,10 +208,31 @@ def _measure_bundle(args: dict) -> dict:
     for ids in args["prompts"]:
         session.teacher_forced(ids, len(ids))  # loads the executables
         prefill[len(ids)] = statistics.median(session.teacher_forced(ids, len(ids))[0].seconds for _ in range(args["repeats"]))
-    steps = session.teacher_forced(args["prompts"][-1] + args["decode_ids"], len(args["prompts"][-1]))
+    long = args["prompts"][-1]
+    steps = session.teacher_forced(long + args["decode_ids"], len(long))
     rss = _peak_rss_bytes()  # before the bandwidth probe's 1 GiB
+    # the per-stage tables: one more run of the longest prompt and its decode steps, timed by stage
+    timers = session.stage_timers()
+    timed = session.teacher_forced(long + args["decode_ids"], len(long))
+    stages = {}
+    for (kind, batch, length), seconds in timers.items():
+        if not seconds:
+            continue
+        bucket = session.manifest.buckets[[(b.kind, b.batch, b.length) for b in session.manifest.buckets].index((kind, batch, length))]
+        per = len(timed) - 1 if kind == "decode" else 1
+        nbytes = stage_read_bytes(bucket, session.weights, args["model"]) if kind == "decode" else None
+        stages[kind] = {"bucket": f"{kind} b{batch} s{length}", "rows": by_stage_kind(bucket, seconds, per, nbytes),
+                        "step_s": statistics.median(s.seconds for s in timed[1:]) if kind == "decode" else timed[0].seconds}
+    mm_s, mm_flops = mm_seconds(gemm_shapes(args["model"], len(long)), args["repeats"])
     return {"load_s": load_s, "prefill_s": prefill, "decode_s": statistics.median(s.seconds for s in steps[1:]),
-            "threads": torch.get_num_threads(), "peak_rss": rss, "read_gbs": stream_gbs(5)}
+            "threads": torch.get_num_threads(), "peak_rss": rss, "read_gbs": stream_gbs(5), "stages": stages,
+            "mm_bf16_gflops": mm_flops / mm_s / 1e9, "fma_peak_gflops": peak_gflops(3)}
+
+
+def _measure_batches(args: dict) -> dict:
+    from dsneuron.compiler.bench_serve import decode_step_times
+
+    return {"decode_step_s": decode_step_times(Path(args["bundle"]), args["repeats"])}
 
 
 def _measure_eager(args: dict) -> dict:
@@ -143,7 +247,8 @@ def _measure_eager(args: dict) -> dict:
     return out
 
 
-_CHILDREN = {"compile": _measure_compile, "bundle": _measure_bundle, "eager": _measure_eager}
+_CHILDREN = {"compile": _measure_compile, "bundle": _measure_bundle, "eager": _measure_eager,
+             "batches": _measure_batches}
 
 
 def _child(kind: str, args: dict, env: dict[str, str] | None = None) -> dict:
@@ -154,8 +259,9 @@ def _child(kind: str, args: dict, env: dict[str, str] | None = None) -> dict:
         subprocess.run([sys.executable, "-m", "dsneuron.compiler.bench", "--child", kind, str(req), str(res)], check=True,
                        env={**os.environ, **(env or {})})
         out = json.loads(res.read_text())
-    if "prefill_s" in out:
-        out["prefill_s"] = {int(k): v for k, v in out["prefill_s"].items()}
+    for key in ("prefill_s", "decode_step_s"):
+        if key in out:
+            out[key] = {int(k): v for k, v in out[key].items()}
     return out
 
 
@@ -172,60 +278,88 @@ def _cold_compile(config: str, work: Path, name: str) -> dict:
 
 
 def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
-        names: tuple[str, ...] = ("short", "medium", "long")) -> dict:
-    """The whole benchmark (module docstring); returns every figure as plain data."""
+        names: tuple[str, ...] = ("short", "medium", "long"), doubled: bool = True,
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """The whole benchmark (module docstring); returns every figure as plain data. doubled: also
+    time the cold compile of `doubled_layers`; batch_sizes: the decode batch buckets of item 5
+    (empty: skipped)."""
+    from dsneuron.compiler.bench_serve import compile_with
+    from dsneuron.compiler.buckets import PlannedBucket
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.default_prompts import default_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
+    from dsneuron.compiler.plan import Parallel, count_flops
     from dsneuron.graphs.tokenizer import load_tokenizer
 
     model_cfg, compile_cfg, raw = load_config(config)
     work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    doubled = work / f"{model_cfg.n_layers * 2}-layer.json"
-    doubled.write_text(json.dumps({"model": doubled_layers(model_cfg.to_dict()), "compile": compile_cfg.to_dict()}))
     checkpoint = checkpoint_for(model_cfg, compile_cfg, work / "cache-bundle")
-    cfg2, ccfg2, _ = load_config(str(doubled))
-    checkpoint_for(cfg2, ccfg2, work / "cache-doubled")  # made before its compile is timed
+    if doubled:
+        doubled_path = work / f"{model_cfg.n_layers * 2}-layer.json"
+        doubled_path.write_text(json.dumps({"model": doubled_layers(model_cfg.to_dict()), "compile": compile_cfg.to_dict()}))
+        cfg2, ccfg2, _ = load_config(str(doubled_path))
+        checkpoint_for(cfg2, ccfg2, work / "cache-doubled")  # made before its compile is timed
 
     console.print("compiling cold ...")
     cold = _cold_compile(config, work, "bundle")
     console.print("compiling warm ...")
     warm = _child("compile", {"config": config, "cache": cold["cache"], "out": str(work / "bundle-warm")},
                   {"TORCHINDUCTOR_CACHE_DIR": cold["inductor"]})
-    console.print(f"compiling the {cfg2.n_layers}-layer config cold ...")
-    cold2 = _cold_compile(str(doubled), work, "doubled")
+    cold2 = None
+    if doubled:
+        console.print(f"compiling the {cfg2.n_layers}-layer config cold ...")
+        cold2 = _cold_compile(str(doubled_path), work, "doubled")
 
     tok = load_tokenizer()
     prompts = [[model_cfg.bos_token_id] + tok.encode(text, add_special_tokens=False).ids for name, text in default_prompts() if name in names]
     decode_ids = tok.encode(" The end of the story is near, and the ship sails on through the night."
                             " Nobody on the quay", add_special_tokens=False).ids[:n_decode]
     args = {"config": config, "checkpoint": str(checkpoint), "bundle": str(work / "bundle"), "prompts": prompts,
-            "decode_ids": decode_ids, "repeats": repeats}
+            "decode_ids": decode_ids, "repeats": repeats, "model": model_cfg.to_dict()}
     console.print("measuring the bundle ...")
     compiled = _child("bundle", args)
     console.print("measuring the eager golden model ...")
     eager = _child("eager", args)
-    return {"config": config, "layers": model_cfg.n_layers, "layers_doubled": cfg2.n_layers,
-            "compile_cold_s": cold["seconds"], "compile_warm_s": warm["seconds"], "compile_doubled_cold_s": cold2["seconds"],
+    batches = {}
+    if batch_sizes:
+        over = {"batch_sizes": list(batch_sizes), "prefill_seq_lens": [min(compile_cfg.prefill_seq_lens or [128])],
+                "chunked_prefill": False}
+        console.print(f"compiling decode batch buckets {list(batch_sizes)} (cache warm for batch 1) ...")
+        bundle_b = compile_with(config, work / "bundle-batches", over, console, cache_dir=Path(cold["cache"]))
+        batches = _child("batches", {"bundle": str(bundle_b), "repeats": max(repeats, 5)})["decode_step_s"]
+    long = len(prompts[-1])
+    flops = sum(count_flops(model_cfg, Parallel(1, 1), compile_cfg.max_seq_len,
+                            PlannedBucket("prefill", 1, long, compile_cfg.max_seq_len))[0])
+    return {"config": config, "layers": model_cfg.n_layers, "layers_doubled": cfg2.n_layers if doubled else None,
+            "compile_cold_s": cold["seconds"], "compile_warm_s": warm["seconds"],
+            "compile_doubled_cold_s": cold2["seconds"] if cold2 else None,
             "compiled": compiled, "eager": eager, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
+            "prefill_flops": {long: flops}, "decode_step_s": batches,
             "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": (work / "bundle" / "weights.safetensors").stat().st_size,
             "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
 
 
 def report(r: dict, console: Console) -> None:
-    """Print the figures of `run` as one table."""
+    """Print the figures of `run`: the summary table, then the per-stage tables and the decode
+    batch table."""
     c, e = r["compiled"], r["eager"]
     t = Table(title=f"dsneuron bench: {r['config']} ({c['threads']} threads compiled, {e['threads']} eager, {r['host_cores']} cores)")
     for col in ("figure", "compiled", "eager golden", "ratio"):
         t.add_column(col, justify="left" if col == "figure" else "right")
     t.add_row("compile, cold", f"{r['compile_cold_s']:.1f} s", "", "")
     t.add_row("compile, warm", f"{r['compile_warm_s']:.1f} s", "", "")
-    t.add_row(f"compile, cold, {r['layers_doubled']} layers", f"{r['compile_doubled_cold_s']:.1f} s", "",
-              f"{r['compile_doubled_cold_s'] / r['compile_cold_s']:.2f}x of {r['layers']} layers")
+    if r["compile_doubled_cold_s"]:
+        t.add_row(f"compile, cold, {r['layers_doubled']} layers", f"{r['compile_doubled_cold_s']:.1f} s", "",
+                  f"{r['compile_doubled_cold_s'] / r['compile_cold_s']:.2f}x of {r['layers']} layers")
     t.add_row("bundle load", f"{c['load_s']:.2f} s", "", "")
     for n, s in c["prefill_s"].items():
         t.add_row(f"prefill {n} tokens", f"{s * 1e3:.0f} ms", f"{e['prefill_s'][n] * 1e3:.0f} ms", f"{e['prefill_s'][n] / s:.2f}x")
+    for n, flops in r["prefill_flops"].items():
+        rate = flops / c["prefill_s"][n] / 1e9
+        t.add_row(f"prefill {n}: {flops / 1e9:.0f} GFLOP", f"{rate:.0f} GFLOP/s",
+                  f"torch.mm bf16 {c['mm_bf16_gflops']:.0f}, fp32 FMA peak {c['fma_peak_gflops']:.0f}",
+                  f"{rate / c['mm_bf16_gflops'] * 100:.0f}% of bf16 mm, {rate / c['fma_peak_gflops'] * 100:.0f}% of FMA")
     t.add_row("decode", f"{1 / c['decode_s']:.2f} tok/s", f"{1 / e['decode_s']:.2f} tok/s", f"{e['decode_s'] / c['decode_s']:.2f}x")
     ideal = r["decode_bytes"] / (c["read_gbs"] * 1e9)
     t.add_row("decode roofline", f"{ideal * 1e3:.1f} ms/token", f"{r['decode_bytes'] / 1e6:.0f} MB at {c['read_gbs']:.1f} GB/s",
@@ -236,6 +370,31 @@ def report(r: dict, console: Console) -> None:
     t.add_row("bundle size", f"{r['bundle_bytes'] / gib:.2f} GiB", f"checkpoint {r['checkpoint_bytes'] / gib:.2f} GiB",
               f"{r['bundle_bytes'] / r['checkpoint_bytes']:.2f}x")
     console.print(t)
+    for kind, st in c["stages"].items():
+        decode = kind == "decode"
+        t = Table(title=f"{st['bucket']}: time by stage kind ({'per token' if decode else 'one call'}, "
+                        f"step {st['step_s'] * 1e3:.1f} ms)")
+        cols = ["stage kind", "stages", "ms", "share"] + (["MB read", f"roofline ms at {c['read_gbs']:.1f} GB/s", "reached"]
+                                                           if decode else [])
+        for col in cols:
+            t.add_column(col, justify="left" if col == "stage kind" else "right")
+        for row in st["rows"]:
+            cells = [row["kind"], str(row["stages"]), f"{row['s'] * 1e3:.2f}", f"{row['s'] / st['step_s'] * 100:.0f}%"]
+            if decode:
+                roof = row["bytes"] / (c["read_gbs"] * 1e9)
+                cells += [f"{row['bytes'] / 1e6:.1f}", f"{roof * 1e3:.2f}", f"{roof / row['s'] * 100:.0f}%" if row["s"] else ""]
+            t.add_row(*cells)
+        inside = sum(row["s"] for row in st["rows"])
+        t.add_row("outside the stages", "", f"{(st['step_s'] - inside) * 1e3:.2f}", f"{(st['step_s'] - inside) / st['step_s'] * 100:.0f}%")
+        console.print(t)
+    if r["decode_step_s"]:
+        t = Table(title="decode step alone at each batch bucket")
+        for col in ("batch", "ms per step", "rows/s", "vs batch 1"):
+            t.add_column(col, justify="right")
+        one = r["decode_step_s"][min(r["decode_step_s"])]
+        for b, s in sorted(r["decode_step_s"].items()):
+            t.add_row(str(b), f"{s * 1e3:.1f}", f"{b / s:.1f}", f"{one * b / s:.2f}x")
+        console.print(t)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,6 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16, help="decode steps after the longest prompt")
     ap.add_argument("--prompts", default="short,medium,long", help="which shipped prompts (comma-separated)")
+    ap.add_argument("--no-doubled", action="store_true", help="skip the doubled-layer cold compile")
+    ap.add_argument("--batch-sizes", default="1,2,4,8", help="decode batch buckets timed (comma-separated; '' skips)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -253,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         Path(res).write_text(json.dumps(_CHILDREN[kind](json.loads(Path(req).read_text()))))
         return
     console = Console(stderr=True)
-    r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")))
+    batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b)
+    r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")), not a.no_doubled, batch_sizes)
     report(r, Console())
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))

@@ -53,24 +53,31 @@ WORDS = ("the model serves text over HTTP to many clients at once while each req
 GRACE_S = 10.0
 
 
-def compile_serve_bundle(config: str, work: Path, console: Console) -> Path:
-    """--config with SERVE_COMPILE's buckets, compiled by the CLI into work/bundle (reused when
-    there); returns the bundle folder. Raises RuntimeError with the compiler's output on failure."""
+def compile_with(config: str, out: Path, compile_overrides: dict[str, Any], console: Console,
+                 cache_dir: Path | None = None) -> Path:
+    """--config with its "compile" section updated by `compile_overrides`, compiled by the CLI into
+    `out` (reused when there); returns `out`. Raises RuntimeError with the compiler's output on
+    failure."""
     from dsneuron.compiler.config import resolve_config_path
 
-    out = work / "bundle"
     if (out / "manifest.json").is_file():
         return out
     raw = json.loads(resolve_config_path(config).read_text())
-    raw["compile"] = {**raw["compile"], **SERVE_COMPILE}
-    cfg = work / "serve-config.json"
+    raw["compile"] = {**raw["compile"], **compile_overrides}
+    cfg = out.parent / f"{out.name}-config.json"
     cfg.write_text(json.dumps(raw, indent=1))
-    console.print(f"compiling {config} with batch buckets {SERVE_COMPILE['batch_sizes']} into {out} ...")
-    done = subprocess.run([sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "compile",
-                           "--config", str(cfg), "--out", str(out)], capture_output=True, text=True)
+    console.print(f"compiling {config} with {compile_overrides} into {out} ...")
+    cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "compile", "--config", str(cfg),
+           "--out", str(out), *(["--cache-dir", str(cache_dir)] if cache_dir else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"compile failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return out
+
+
+def compile_serve_bundle(config: str, work: Path, console: Console) -> Path:
+    """--config with SERVE_COMPILE's buckets in work/bundle (`compile_with`)."""
+    return compile_with(config, work / "bundle", SERVE_COMPILE, console)
 
 
 class Served:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,14 @@ class CpuExecutable:
 class StagedExecutable:
     """A staged bucket (schema.py): one loaded package per stage kind, run stage by stage. Same
     interface as CpuExecutable; `weights` maps every weight name a stage takes to its tensor.
-    Construction raises BundleError as CpuExecutable does, per stage file."""
+    Construction raises BundleError as CpuExecutable does, per stage file.
+
+    stage_seconds: None, or a dict that `run` then adds each stage's wall seconds to, keyed by
+    stage name (`layers.3.ffn`): the benchmark's per-stage table (compiler/bench.py)."""
 
     def __init__(self, root: Path, bucket: Bucket, weights: dict[str, torch.Tensor]):
         self.bucket = bucket
+        self.stage_seconds: dict[str, float] | None = None
         loaders: dict[str, Any] = {}
         self._stages = []
         for st in bucket.stages:
@@ -137,6 +142,10 @@ class StagedExecutable:
             env.update(engram_columns(env["engram_ids"]))
         if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
             env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
-        for loader, weights, names_in, names_out in self._stages:
+        timed = self.stage_seconds
+        for st, (loader, weights, names_in, names_out) in zip(self.bucket.stages, self._stages):
+            t0 = time.perf_counter() if timed is not None else 0.0
             env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
+            if timed is not None:
+                timed[st.name] = timed.get(st.name, 0.0) + time.perf_counter() - t0
         return [env[spec.name] for spec in self.bucket.outputs]

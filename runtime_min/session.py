@@ -199,6 +199,16 @@ class Session:
                 self.last_stats.load_s += time.perf_counter() - t0
         return self._loaded[key]
 
+    def stage_timers(self) -> dict[tuple[str, int, int], dict[str, float]]:
+        """Time the stages of every staged executable loaded so far: {(kind, batch, length): the
+        dict its runs from now on add each stage's wall seconds to, by stage name}
+        (StagedExecutable.stage_seconds; the benchmark's per-stage tables)."""
+        out = {}
+        for key, exe in self._loaded.items():
+            if isinstance(exe, StagedExecutable):
+                exe.stage_seconds = out[key] = {}
+        return out
+
     @property
     def max_capacity(self) -> int:
         return max(b.capacity for b in self.manifest.buckets if b.kind == "decode")

@@ -1,0 +1,74 @@
+"""The main benchmark's per-stage figures (compiler/bench.py): stage timers, bytes read, GEMM shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsneuron.compiler.bench import by_stage_kind, decode_bytes, gemm_shapes, stage_read_bytes
+from dsneuron.runtime_min.session import Session
+
+
+@pytest.fixture(scope="module")
+def timed_decode(micro_bundle):
+    """The micro bundle's session after a prompt and 4 decode steps run with the stage timers on."""
+    session = Session.load(micro_bundle.path)
+    ids = [0, 5, 9, 13, 17, 21, 25, 29, 33, 37]
+    session.teacher_forced(ids, len(ids) - 4)  # loads the executables
+    timers = session.stage_timers()
+    steps = session.teacher_forced(ids, len(ids) - 4)
+    return session, timers, steps
+
+
+def _bucket(session, kind):
+    return next(b for b in session.manifest.buckets if b.kind == kind)
+
+
+def test_stage_timers_time_every_stage_inside_the_step(timed_decode):
+    session, timers, steps = timed_decode
+    decode = _bucket(session, "decode")
+    seconds = timers[("decode", decode.batch, decode.length)]
+    assert set(seconds) == {st.name for st in decode.stages}
+    assert all(s > 0 for s in seconds.values())
+    assert sum(seconds.values()) <= sum(s.seconds for s in steps[1:])
+    prefill = _bucket(session, "prefill")
+    assert sum(timers[("prefill", prefill.batch, prefill.length)].values()) <= steps[0].seconds
+
+
+def test_stage_read_bytes_match_the_checkpoint_bytes_a_token_reads(timed_decode, micro_bundle, micro_checkpoint):
+    """Two independent counts: the executables' tensors (scales widened to fp32) and the checkpoint's
+    safetensors headers (compiler/bench.py decode_bytes)."""
+    session, _, _ = timed_decode
+    model = micro_bundle.model_cfg.to_dict()
+    read = stage_read_bytes(_bucket(session, "decode"), session.weights, model)
+    head = session.weights["head.kernel_w"]
+    assert read["head"] >= head.numel() * head.element_size()
+    stored = decode_bytes(micro_checkpoint, model)
+    assert stored <= sum(read.values()) <= 1.1 * stored
+
+
+def test_by_stage_kind_sums_the_stages_of_a_kind(timed_decode):
+    session, timers, steps = timed_decode
+    decode = _bucket(session, "decode")
+    seconds = timers[("decode", decode.batch, decode.length)]
+    rows = by_stage_kind(decode, seconds, len(steps) - 1)
+    assert sum(r["stages"] for r in rows) == len(decode.stages)
+    ffn = next(r for r in rows if r["kind"].startswith("ffn"))
+    assert ffn["stages"] == session.manifest.model_config["n_layers"]
+    assert sum(r["s"] for r in rows) == pytest.approx(sum(seconds.values()) / (len(steps) - 1))
+
+
+def test_gemm_shapes_of_a_prefill():
+    from dsneuron.compiler.config import load_config
+
+    model = load_config("tiny")[0].to_dict()  # widths that tell the projections apart
+    shapes = gemm_shapes(model, 64)
+    L, E, k = model["n_layers"], model["n_routed_experts"], model["n_activated_experts"]
+    assert shapes[(64, model["dim"], model["q_lora_rank"])] == L  # wq_a
+    assert shapes[(64 * k // E, model["dim"], model["moe_inter_dim"])] == 2 * E * L  # routed w1, w3 (FP4: K unpacked)
+    # dim -> 512: shared w1, w3, attn.wkv (head_dim 512), a kv source's compressor wkv (+ wgate at ratio > 1)
+    compressors = sum(1 + (model["compress_ratios"][i] > 1) for i in model["kv_source_layers"])
+    assert shapes[(64, model["dim"], model["moe_inter_dim"])] == 3 * L + compressors
+    r = model["compress_ratios"][model["index_source_layers"][0]]
+    assert shapes[(64 // r, model["head_dim"], model["index_head_dim"])] >= 1  # indexer wk, on the compressed rows
+    assert shapes[(1, model["dim"], model["vocab_size"])] == 1  # the head, at the last position
+    assert not any(n == model["vocab_size"] and m == 64 for m, _, n in shapes)  # the embedding is a lookup
