@@ -819,7 +819,9 @@ class Attention(nn.Module):
 
     # -------------------------------------------------------------- compressed
     def _compressed(self, x, qr, ctx: StepInputs, offset: int, state: dict, new: dict, shared: dict):
-        """Returns (compressed keys [B,T,hd], compressed index list int32 [B,S,index_topk])."""
+        """Returns (compressed keys, their index list int32 [B,S,index_topk], offset by `offset`, -1
+        for none): for a prefill or chunk every compressed row [B,T,hd]; for a decode step only the
+        rows its index list picks [B,index_topk,hd], the list then numbering them in order."""
         cfg, r, L = self.cfg, self.ratio, self.layer_id
         cap = ctx.capture
         B, S, _ = x.shape
@@ -867,11 +869,19 @@ class Attention(nn.Module):
             new[ckv_name] = put(state[ckv_name], rows)
             shared["compress_kv"] = new[ckv_name]
         T = S // r if ctx.prefill else shared["compress_kv"].size(1)
-        compress_kv = state_values(leading(shared["compress_kv"], T), cfg.head_dim, COMPRESS_KV_FORMAT)
         if self.is_index_source:
             idx = self._select(x, qr, ctx, T, offset, shared)
             shared["topk_idxs"] = idx
-        return compress_kv, shared["topk_idxs"]
+        idx = shared["topk_idxs"]
+        if ctx.prefill or ctx.chunk:
+            return state_values(leading(shared["compress_kv"], T), cfg.head_dim, COMPRESS_KV_FORMAT), idx
+        # a decode step attends to index_topk of the T cache rows: it decodes just those (the same
+        # values, in the same order), so its cost does not grow with the context
+        B, _, K = idx.shape
+        rows = shared["compress_kv"].gather(1, (idx.view(B, K, 1).long() - offset).clamp(min=0).expand(
+            B, K, shared["compress_kv"].size(2)))
+        picked = torch.where(idx < 0, idx, offset + torch.arange(K, device=x.device, dtype=idx.dtype))
+        return state_values(rows, cfg.head_dim, COMPRESS_KV_FORMAT), picked
 
     @staticmethod
     def join_prefill_index(widx: torch.Tensor, cidx: torch.Tensor, valid_len: torch.Tensor, window: int) -> torch.Tensor:

@@ -296,6 +296,25 @@ def test_threads_do_not_matter(b, s, h, n, k):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("op", ["cpu", "golden"])
+def test_attending_to_the_gathered_rows_is_attending_to_the_cache(op):
+    """The decode step's premise (graphs/model.py Attention._compressed): the result depends on
+    the listed rows' values in list order only, so the window followed by just the picked cache
+    rows, the list renumbering them in order (-1 kept), gives the same bits as the whole cache."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, d, w, t, k = 2, 4, 64, 16, 300, 40
+    q, kv, sink, _ = make_inputs(b, 1, h, d, w + t, k, gen)
+    widx = torch.randint(-1, w, (b, 1, w), generator=gen)
+    cidx = torch.randint(0, t, (b, 1, k), generator=gen).sort(dim=-1).values + w
+    cidx = torch.where(torch.rand(b, 1, k, generator=gen) < 0.2, -1, cidx)
+    picked = kv[:, w:].gather(1, (cidx.view(b, k, 1) - w).clamp(min=0).expand(b, k, d))
+    renumbered = torch.where(cidx < 0, -1, w + torch.arange(k))
+    run = A.sparse_attn_cpu if op == "cpu" else OPS.sparse_attn
+    whole = run(q, kv, sink, torch.cat([widx, cidx], -1).int(), d ** -0.5)
+    gathered = run(q, torch.cat([kv[:, :w], picked], 1), sink, torch.cat([widx, renumbered], -1).int(), d ** -0.5)
+    assert_bf16_bits(gathered, whole)
+
+
 @pytest.mark.parametrize("n", [50, 1000], ids=["kv-converted-once", "rows-converted-per-item"])
 def test_empty_slots_never_read_kv(n):
     """Valid slots reference rows [0, 25) only; rows [25, N) of both batches hold NaN / +inf / -inf,
