@@ -583,6 +583,28 @@ def state_bytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
                for shape, dt in state_layout(cfg, batch, capacity).values())
 
 
+def decode_state_read(cfg: ModelConfig, capacity: int) -> int:
+    """State bytes one sequence's decode step reads at `capacity`: the whole window rings, indexer
+    keys (the indexer scores every compressed position) and compressor partial groups, and of the
+    compressed KV only the index_topk rows each compressed layer attends to (graphs/model.py
+    Attention._compressed gathers them before decoding)."""
+    import torch
+
+    from dsneuron.graphs.steps import state_layout
+
+    layout = state_layout(cfg, 1, capacity)
+    total = 0
+    for name, (shape, dt) in layout.items():
+        if not name.endswith(".compress_kv"):
+            total += math.prod(shape) * torch.empty((), dtype=dt).element_size()
+    for L in range(cfg.n_layers):
+        src = cfg.kv_source_of(L)
+        if cfg.compress_ratios[L] and src is not None:
+            _, rows, row_bytes = layout[f"layers.{src}.compress_kv"][0]
+            total += min(rows, cfg.index_topk) * row_bytes
+    return total
+
+
 # ----------------------------------------------------------------------------------------- decode roofline
 
 
@@ -652,8 +674,8 @@ class ContextRow:
     activation of a decode step / of a chunk of chunk_len tokens at that capacity (measured as
     `activation_peak`); decode_need / chunk_need: the worst rank's weights + state + that
     activation; decode_read: the bytes one decode token reads on the slowest rank (its weights'
-    share as `decode_read`, plus the whole state: the decode graph as written decodes every cache
-    row before attending); chunk_flops: one chunk's FLOPs on the busiest rank; chunk_read: the
+    share as `decode_read`, plus the state it reads, `decode_state_read`: all of it but the
+    compressed KV rows the step does not attend to); chunk_flops: one chunk's FLOPs on the busiest rank; chunk_read: the
     bytes a chunk reads on the worst rank (all its weights and the state)."""
 
     capacity: int
@@ -694,7 +716,7 @@ def context_rows(cfg: ModelConfig, par: Parallel, inst: Instance, held: list[int
         d_act = activation_peak(cfg, par, c, dec)[0]
         c_act = activation_peak(cfg, par, c, chunk)[0]
         flops = max(count_flops(cfg, par, c, chunk)[0])
-        d_read = read["slowest_rank"] + st
+        d_read = read["slowest_rank"] + decode_state_read(cfg, c)
         c_read = held[r] + st
         rows.append(ContextRow(c, st, d_act, held[r] + st + d_act, d_read, d_read / inst.bw_per_rank, chunk_len, flops,
                                c_act, held[r] + st + c_act, c_read, c_read / inst.bw_per_rank,

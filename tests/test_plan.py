@@ -247,3 +247,21 @@ def test_long_context_table_grows_with_the_capacity():
     assert rows[1].decode_read - rows[0].decode_read == rows[1].state - rows[0].state > 0
     assert rows[1].chunk_flops > rows[0].chunk_flops  # the indexer scores every compressed row
     assert "contexts" in plan.to_dict()
+
+
+def test_decode_state_read_grows_by_the_indexer_keys_only():
+    """Past index_topk compressed rows, a longer context adds to a decode step's reads only the
+    indexer keys it scores: the compressed KV is read at the index_topk rows it attends to."""
+    from dsneuron.compiler.plan import decode_state_read, state_bytes
+    from dsneuron.graphs.steps import state_layout
+
+    cfg = load_config("tiny")[0]
+    small, large = 1024, 4096
+    assert small // max(cfg.compress_ratios) > cfg.index_topk
+
+    def index_k(capacity):
+        return sum(shape[1] * shape[2] for name, (shape, _) in state_layout(cfg, 1, capacity).items()
+                   if name.endswith(".index_k"))
+
+    assert decode_state_read(cfg, large) - decode_state_read(cfg, small) == index_k(large) - index_k(small)
+    assert decode_state_read(cfg, large) < state_bytes(cfg, 1, large)
