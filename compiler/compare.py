@@ -337,10 +337,9 @@ def local_deviations(rep: PromptReport) -> list[tuple[str, int, float, str | Non
     than QDQ_SHARE of its elements, by at most QDQ_STEP_ULPS), "QDQ inside" (a stage of QDQ_INSIDE
     off at no more than QDQ_SHARE of its elements), "after a QDQ step" (a stage of AFTER_QDQ at a
     step where a QDQ stage had a QDQ step). Targets that sum in their own order (the neuron
-    target's StableHLO on XLA) show these; the cpu target's kernels follow the golden's, but for
-    the MoE halves of tiny (README). The local re-run recomputes a layer's KV caches from its
-    input, so a stage that reads them carries their QDQ steps: feeding it the bundle's own caches
-    would take those out (not done)."""
+    target's StableHLO on XLA) show these; the cpu target's kernels follow the golden's. The local
+    re-run recomputes a layer's KV caches from its input, so a stage that reads them carries their
+    QDQ steps: feeding it the bundle's own caches would take those out (not done)."""
     flipped = {i for stage, per_step in rep.stages.items() if stage.endswith(QDQ_STAGES)
                for i, e in enumerate(per_step) if e.get("local", {}).get("max_ulp", 0.0) > 2}
     out = []

@@ -42,6 +42,9 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
   == a longer prefill and batch == single hold bit for bit on every host
   (tests/test_host_independence.py). The one GEMM with inexact products, the mHC projection
   (fp32 weights), can differ in about one output in 2^26 (see `exact_linear`).
+- The router's square root (sqrtsoftplus) is the IEEE one, as CUDA's sqrtf is (`ieee_sqrt`):
+  eager ATen's fp32 sqrt on MKL builds is an ulp off for 1 value in 6, Inductor's is not, and one
+  fp32 ulp of a routing weight became up to 256 bf16 ulps of tiny's MoE output.
 - BF16_GEMM: the reference's bf16 GEMMs (wo_a's grouped einsum, the indexer's weights_proj and
   wk) run on bf16 operands with fp32 accumulation and one bf16 rounding of the result. Here that is
   written out: the operands are upcast (exact), the GEMM is fp32, the result is cast once. Eager
@@ -1005,6 +1008,19 @@ class Attention(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------- MoE
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [...] >= 0 -> fp32 [...]: the correctly rounded square root (IEEE 754), which CUDA's
+    sqrtf is under the reference's build flags and which Inductor's code computes (sqrtps). Eager
+    ATen's fp32 sqrt is not that on an MKL build: it calls MKL's vsSqrt in its HA mode (ATen/cpu/vml.h),
+    one fp32 ulp off for 17% of the fp32 values in [2^-24, 2^8). Through float64 it is exact: MKL's float64 root
+    rounded to fp32 is the correctly rounded one for every fp32 value in that range (one ulp off in
+    float64 at 1.3% of them, never at an fp32 rounding boundary), and the compiled graph computes
+    the same bits. GEMM order "fused" (the neuron steps, no float64 on the device) keeps the fp32 op."""
+    if NUMERICS.gemm_order == "fused":
+        return x.sqrt()
+    return x.double().sqrt().float()
+
+
 class Expert(nn.Module):
     """SwiGLU FFN with the V4.1 clamps (up to [-limit, limit], gate to <= limit); the routing weight
     multiplies the fp32 activation before the bf16 cast and w2 (model.py Expert)."""
@@ -1046,7 +1062,7 @@ class Gate(nn.Module):
         elif cfg.score_func == "sigmoid":
             scores = scores.sigmoid()
         else:
-            scores = F.softplus(scores).sqrt()
+            scores = ieee_sqrt(F.softplus(scores))
         indices = stable_topk_indices(scores + self.bias, self.topk)
         weights = scores.gather(1, indices)
         if cfg.norm_topk_prob and self.topk > 1:
