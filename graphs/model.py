@@ -1231,7 +1231,7 @@ class Engram(nn.Module):
         # normalised per (token, hc copy) over D, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
         dot = (hf * weight * key).sum(-1) * rstd * D ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = torch.sigmoid(torch.copysign(ieee_sqrt(dot.abs().clamp_min(1e-6)), dot))
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 
