@@ -135,3 +135,22 @@ def test_plan_decode_bytes_equal_the_checkpoint_headers(slice_bundle):
     assert 0 <= measured - (read["total"] + read["host"]) <= n_expert_tensors, (measured, read)
     assert read["host"] > 0 and read["by_part"]["routed experts"] > 0
 
+
+
+@pytest.mark.slow
+def test_compare_on_the_slice_is_no_worse_than_the_floors(slice_bundle, tmp_path):
+    """`dsneuron compare` of the slice bundle against the eager golden on its checkpoint (the golden
+    without its float64 weight copies, 29.5 GiB at these widths; the bundle released before the
+    golden loads; 8.8 GB peak RSS): one prompt, prefill + 3 teacher-forced decode steps, end to end
+    no worse than the floors."""
+    bundle, cache = slice_bundle
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The capital of France is\n")
+    out = tmp_path / "c.json"
+    r = _cli("compare", str(bundle), "--prompts", str(prompts), "--decode", "3", "--json", str(out), "--cache-dir",
+             str(cache), timeout=3600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no worse than the floor" in r.stdout
+    (rep,) = json.loads(out.read_text())["prompts"]
+    assert rep["n_steps"] == 4 and rep["verdict"]["ok"], rep["verdict"]
+    print(rep["verdict"], [s["bundle"]["argmax"] for s in rep["steps"]])
