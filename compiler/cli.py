@@ -432,6 +432,8 @@ def plan_cmd(
                                                                     "capacities, e.g. 65536,262144,1048576"),
     chunk: Optional[int] = typer.Option(None, "--chunk", help="with --contexts: the chunked prefill's chunk length "
                                                               "[default: the largest prefill length]"),
+    bandwidth_gbs: Optional[float] = typer.Option(None, "--bandwidth-gbs", help="with --target cpu: this host's read "
+                                                  "bandwidth in GB/s for the roofline [default: measured, a 1 GiB sum]"),
 ) -> None:
     """Per bucket and rank: FLOPs, weight, state and activation bytes against the instance's HBM
     (exit 2 when it does not fit), the stage kinds to compile and the decode roofline; with
@@ -453,7 +455,8 @@ def plan_cmd(
     if chunk is not None and chunk <= 0:
         raise UserError(f"--chunk {chunk}: must be a positive integer")
     plan = make_plan(model_cfg, compile_cfg, target, instance, tp, ep, config_name=config,
-                     log=lambda s: err_console.print(s, highlight=False), contexts=caps, chunk_len=chunk)
+                     log=lambda s: err_console.print(s, highlight=False), contexts=caps, chunk_len=chunk,
+                     bandwidth_gbs=bandwidth_gbs)
     render(plan, console)
     if json_out is not None:
         json_out.write_text(json.dumps(plan.to_dict(), indent=1))

@@ -39,6 +39,7 @@ which is the bucket's seq_len in prefill).
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,23 +257,35 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode
     if not todo:
         raise UserError(f"no prompt fits this bundle (largest prefill bucket {max_prefill} tokens, context capacity "
                         f"{session.max_capacity}); pass shorter prompts with --prompts FILE or fewer --decode steps")
-    golden = Golden(model_cfg, ckpt, session.max_capacity, tokenizer=session.bundle.tokenizer_file)
-    reports = []
+    runs = []
     for name, ids in todo:
         log(f"prompt {name!r}: {len(ids)} tokens + {n_decode} decode steps")
         # the continuation is the bundle's greedy one (EOS may end it early); both sides are then fed it
         seq = ids + (session.generate_ids([text_of[name]], n_decode)[0] if n_decode else [])
-        reports.append(compare_sequence(session, golden, name, seq, len(ids)))
-    return reports
+        runs.append((name, seq, len(ids), session.teacher_forced(seq, len(ids))))
+    compiler, capacity, tokenizer = session.manifest.compiler, session.max_capacity, session.bundle.tokenizer_file
+    # the bundle's side is done: its weights go before the golden's come (at V4.1's widths each
+    # takes most of the memory a host of this kind has)
+    del session
+    gc.collect()
+    golden = Golden(model_cfg, ckpt, capacity, tokenizer=tokenizer)
+    return [compare_records(got, compiler, golden, name, seq, n_prompt) for name, seq, n_prompt, got in runs]
 
 
 def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_prompt: int) -> PromptReport:
     """Both levels of the comparison for one teacher-forced sequence: prefill seq[:n_prompt], then one
     decode step per remaining id. session: runtime_min Session; golden: graphs.golden.Golden on the
     bundle's checkpoint. Raises UserError as Session.teacher_forced (prompt or sequence too long)."""
+    return compare_records(session.teacher_forced(seq, n_prompt), session.manifest.compiler, golden, name, seq, n_prompt)
+
+
+def compare_records(got: list[Any], compiler: dict[str, Any], golden: Any, name: str, seq: list[int],
+                    n_prompt: int) -> PromptReport:
+    """`compare_sequence` on the bundle's records of that sequence, already run: got, the
+    Session.teacher_forced records; compiler, the bundle manifest's `compiler` section (its GEMM
+    order and indexer mode, which the local re-runs take)."""
     from dsneuron.graphs.model import gemm_order, indexer_mode, nudged_embedding
 
-    got = session.teacher_forced(seq, n_prompt)
     probes = bool(got[0].probes)
     ref = golden.teacher_forced(seq, n_prompt, capture=probes)
     with gemm_order("descending"):
@@ -297,10 +310,10 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
             rep.stages.setdefault(stage, []).append(entry)
         # the golden stage in the bundle's declared numerics: its GEMM order (the cpu kernels', or
         # one fp32 GEMM per projection on neuron)
-        order = session.manifest.compiler.get("gemm_order", "fused")
+        order = compiler.get("gemm_order", "fused")
         if order == "kernel":
             golden.attach_kernel_weights()
-        indexer = session.manifest.compiler.get("indexer", "official")
+        indexer = compiler.get("indexer", "official")
         with torch.inference_mode(), gemm_order(order), indexer_mode(indexer):
             if prefill:
                 at = {"prefill_len": n_prompt, "engram_ids": engram_ids[:, :n_prompt]}

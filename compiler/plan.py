@@ -78,8 +78,10 @@ NeuronCore-v3 (aws-neuron-sdk about-neuron/arch/neuron-hardware/trainium2.rst; H
 in reference/neuron_toolchain.md 1.4), trn2.48xlarge = 16 chips, 1536 GiB, 46.4 TB/s
 (trn2-arch.rst); trn2.3xlarge = one trn2 chip (AWS EC2 instance-type page; not in the Neuron
 docs); trn1 chip 32 GiB, 820 GB/s, 2 NeuronCore-v2; trn1.32xlarge = 16 chips, trn1.2xlarge = 1
-(trn1-arch.rst). The cpu target is this host: one rank, its physical memory, and an ASSUMED 20 GB/s
-(README's bench measured 16.6-25.4 GB/s on the development VM).
+(trn1-arch.rst). The cpu target is this host: one rank, its physical memory, and its read bandwidth
+as `--bandwidth-gbs` gives it, else measured when the plan is made (kernels_nki/cpu_bench.py
+`stream_gbs`: a 1 GiB fp32 sum, median of 3; README's bench measured 16.6-25.4 GB/s on the
+development VM); the header line and the JSON's instance note say which.
 """
 
 from __future__ import annotations
@@ -141,25 +143,45 @@ INSTANCES: dict[str, Instance] = {
     "trn1.32xlarge": Instance("trn1.32xlarge", 16, **_TRN1),
     "trn1n.32xlarge": Instance("trn1n.32xlarge", 16, **_TRN1),
 }
-#: ASSUMED host memory bandwidth of the cpu target (module docstring)
-HOST_BANDWIDTH = 20e9
+#: runs of the host bandwidth measurement (kernels_nki/cpu_bench.py stream_gbs), median taken
+HOST_BANDWIDTH_RUNS = 3
 
 
-def host_instance() -> Instance:
-    """The cpu target: this host as one rank with its physical memory."""
+def check_bandwidth(gbs: float) -> float:
+    """`gbs` (GB/s, 1e9 bytes/s) when it is a finite number > 0; else UserError naming --bandwidth-gbs."""
+    if not (math.isfinite(gbs) and gbs > 0):
+        raise UserError(f"--bandwidth-gbs {gbs}: must be a finite number of GB/s > 0")
+    return gbs
+
+
+def host_instance(bandwidth_gbs: float | None = None) -> Instance:
+    """The cpu target: this host as one rank with its physical memory and a read bandwidth of
+    `bandwidth_gbs` GB/s, or, when None, the bandwidth measured now (`stream_gbs`: allocates and
+    sums 1 GiB, about a second). The note says which. Raises UserError for a bad bandwidth_gbs."""
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Instance("host", 1, 1, mem, HOST_BANDWIDTH, note="this host's memory; bandwidth assumed 20 GB/s")
+    if bandwidth_gbs is not None:
+        gbs, how = check_bandwidth(bandwidth_gbs), "given by --bandwidth-gbs"
+    else:
+        from dsneuron.kernels_nki.cpu_bench import stream_gbs
+
+        gbs = stream_gbs(HOST_BANDWIDTH_RUNS)
+        how = f"measured (1 GiB fp32 sum, median of {HOST_BANDWIDTH_RUNS})"
+    return Instance("host", 1, 1, mem, gbs * 1e9, note=f"this host's memory; read bandwidth {gbs:.1f} GB/s {how}")
 
 
-def resolve_instance(target: str, name: str | None) -> Instance:
-    """The instance of a plan. Raises UserError for an unknown target or instance, or an instance
-    given with the cpu target."""
+def resolve_instance(target: str, name: str | None, bandwidth_gbs: float | None = None) -> Instance:
+    """The instance of a plan; bandwidth_gbs: the cpu target's read bandwidth in GB/s (None:
+    measured, `host_instance`). Raises UserError for an unknown target or instance, an instance or
+    a bandwidth given with the neuron target, or a bad bandwidth."""
     if target == "cpu":
         if name is not None:
             raise UserError(f"--instance {name}: goes with --target neuron (the cpu target plans for this host)")
-        return host_instance()
+        return host_instance(bandwidth_gbs)
     if target != "neuron":
         raise UserError(f"--target {target!r}: must be cpu or neuron")
+    if bandwidth_gbs is not None:
+        raise UserError(f"--bandwidth-gbs {bandwidth_gbs}: goes with --target cpu (a neuron instance's bandwidth is "
+                        "its chips' HBM bandwidth)")
     name = name or "trn2.48xlarge"
     if name not in INSTANCES:
         raise UserError(f"--instance {name!r}: unknown instance (known: {', '.join(INSTANCES)})")
@@ -833,15 +855,16 @@ def stage_kinds(cfg: ModelConfig) -> dict[str, list[str]]:
 def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = "cpu", instance: str | None = None,
               tp: int | None = None, ep: int | None = None, config_name: str = "",
               log: Callable[[str], None] | None = None, contexts: list[int] | None = None,
-              chunk_len: int | None = None) -> Plan:
+              chunk_len: int | None = None, bandwidth_gbs: float | None = None) -> Plan:
     """The plan of a config on a target/instance with tp/ep (defaults: `default_parallel`), with the
     long-context table (`context_rows`) at the decode capacities `contexts` for chunks of
-    chunk_len tokens (default: the largest prefill length). Raises UserError (ConfigError) for a
-    bad plan, target, instance or split."""
+    chunk_len tokens (default: the largest prefill length); bandwidth_gbs: the cpu target's read
+    bandwidth in GB/s (None: measured, `host_instance`). Raises UserError (ConfigError) for a bad
+    plan, target, instance, bandwidth or split."""
     from dsneuron.graphs.engram import engram_layout
     from dsneuron.graphs.spec import checkpoint_spec
 
-    inst = resolve_instance(target, instance)
+    inst = resolve_instance(target, instance, bandwidth_gbs)
     par = default_parallel(model_cfg, inst, tp, ep)
     check_parallel(model_cfg, par, inst)
     plan = plan_buckets(compile_cfg, model_cfg)
@@ -870,8 +893,9 @@ def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = 
         "FLOPs count the routed experts only (k of E per token); the neuron prefill graph as written "
         f"runs all {model_cfg.n_routed_experts} experts densely, {model_cfg.n_routed_experts / model_cfg.n_activated_experts:.0f}x "
         "the routed expert work.",
-        "Weights in checkpoint formats; the bundle stores attn.wo_a dequantised to bf16 and the cpu runtime "
-        "holds the head in fp32 (graphs/weights.py), which adds to these.",
+        "Weights in checkpoint formats; the bundle stores attn.wo_a dequantised to bf16, which adds to these "
+        "(the cpu kernels read the head as its stored bf16 and the FP8/FP4 scales widened to fp32: "
+        "graphs/kernel_weights.py).",
     ]
     read = decode_read(model_cfg, par, spec)
     rows = context_rows(model_cfg, par, inst, held, read, sorted(contexts), chunk_len or plan.prefill_seq_lens[-1], log) \

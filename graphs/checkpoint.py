@@ -73,7 +73,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import safetensors
-import safetensors.torch
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -85,7 +84,7 @@ from dsneuron.kernels_nki.formats import float_to_ue8m0, ue8m0_to_float
 from . import safetensors_format as sf
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
-from .lazy import CHUNK_BYTES
+from .lazy import CHUNK_BYTES, tensor_chunks
 from .quant import act_quant, dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from .spec import TensorSpec, checkpoint_spec
 from .tokenizer import tokenizer_files
@@ -175,14 +174,25 @@ def _hc_base_mean(hc: int) -> torch.Tensor:
     return torch.cat([pre, torch.zeros(hc), comb.flatten()])
 
 
+#: fp32 bytes of one piece a large tensor is drawn and quantized in (`_draw_pieces`)
+DRAW_PIECE_BYTES = 64 * 2**20
+
+
 def draw_tensor(spec: TensorSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The fp32 value of one weight before storage rounding, logical shape ([out, in] for FP4).
 
     Deterministic in (seed, spec.name). Raises ValueError for a role without an init rule.
     """
-    shape = (spec.shape[0], spec.fan_in) if spec.kind == "fp4" else spec.shape
     g = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
-    z = torch.randn(shape, generator=g, dtype=torch.float32)
+    return _init(torch.randn(_logical_shape(spec), generator=g, dtype=torch.float32), spec, cfg)
+
+
+def _logical_shape(spec: TensorSpec) -> tuple[int, ...]:
+    return (spec.shape[0], spec.fan_in) if spec.kind == "fp4" else spec.shape
+
+
+def _init(z: torch.Tensor, spec: TensorSpec, cfg: ModelConfig) -> torch.Tensor:
+    """z ~ N(0, 1) (the whole tensor or a piece of its rows) scaled in place by spec.role's rule."""
     role = spec.role
     # in place: an fp32 embedding of the tiny config is 0.5 GB
     if role in _GAIN:
@@ -202,21 +212,60 @@ def draw_tensor(spec: TensorSpec, cfg: ModelConfig, seed: int) -> torch.Tensor:
     raise ValueError(f"{spec.name}: no initialisation rule for role {role!r}")
 
 
-def _stored(spec: TensorSpec, cfg: ModelConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
-    """[(name, tensor)] as stored: the weight, plus its scale for quantized kinds."""
-    w = draw_tensor(spec, cfg, seed)
+def _draw_pieces(spec: TensorSpec, cfg: ModelConfig, seed: int, piece_bytes: int = DRAW_PIECE_BYTES) -> Iterator[torch.Tensor]:
+    """`draw_tensor`'s value as consecutive row pieces of about piece_bytes fp32 (one piece for a
+    1-D or small tensor), so that a large tensor is never whole in fp32. The pieces are the whole
+    draw's rows bit for bit: torch's CPU normal fill consumes the generator element by element and
+    transforms it in groups of 16, and a piece of 32k rows holds a multiple of 16 elements (32: an
+    FP8 tile's rows, so the pieces quantize as the whole does)."""
+    shape = _logical_shape(spec)
+    g = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
+    row_bytes = 4 * math.prod(shape[1:])
+    rows = max(32, piece_bytes // max(1, row_bytes) // 32 * 32)
+    if len(shape) == 1 or rows >= shape[0]:
+        yield _init(torch.randn(shape, generator=g, dtype=torch.float32), spec, cfg)
+        return
+    for r0 in range(0, shape[0], rows):
+        yield _init(torch.randn((min(rows, shape[0] - r0), *shape[1:]), generator=g, dtype=torch.float32), spec, cfg)
+
+
+def _quantized(spec: TensorSpec, cfg: ModelConfig, w: torch.Tensor) -> list[torch.Tensor]:
+    """The stored tensors of fp32 rows `w` of spec's weight: [weight] or [weight, its scale]."""
     if spec.kind == "fp8":
-        q, s = quantize_fp8_weight(w, cfg.fp8_block_size)
-    elif spec.kind == "fp4":
-        q, s = quantize_fp4_weight(w)
-    elif spec.kind == "fp8row":
+        return list(quantize_fp8_weight(w, cfg.fp8_block_size))
+    if spec.kind == "fp4":
+        return list(quantize_fp4_weight(w))
+    if spec.kind == "fp8row":
         q, s32 = act_quant(w, cfg.fp8_block_size)
-        s = float_to_ue8m0(s32)
-    elif spec.kind == "plain":
-        return [(spec.name, w.to(TORCH_DTYPES[spec.dtype]))]
-    else:
-        raise ValueError(f"{spec.name}: cannot draw a tensor of kind {spec.kind!r}")
-    return [(spec.name, q), (scale_name(spec.name), s)]
+        return [q, float_to_ue8m0(s32)]
+    if spec.kind == "plain":
+        return [w.to(TORCH_DTYPES[spec.dtype])]
+    raise ValueError(f"{spec.name}: cannot draw a tensor of kind {spec.kind!r}")
+
+
+def _stored(spec: TensorSpec, cfg: ModelConfig, seed: int,
+            piece_bytes: int = DRAW_PIECE_BYTES) -> list[tuple[str, torch.Tensor]]:
+    """[(name, tensor)] as stored: the weight, plus its scale for quantized kinds. A tensor of more
+    than piece_bytes in fp32 is drawn and quantized piece by piece (`_draw_pieces`) into its stored
+    tensors, so it holds them and one piece's temporaries, never the whole fp32 draw."""
+    names = [spec.name] if spec.kind == "plain" else [spec.name, scale_name(spec.name)]
+    out: list[torch.Tensor] | None = None
+    at = []
+    for w in _draw_pieces(spec, cfg, seed, piece_bytes):
+        parts = _quantized(spec, cfg, w)
+        del w
+        if out is None:
+            if parts[0].shape[0] == _logical_shape(spec)[0]:  # one piece: the whole tensor
+                return list(zip(names, parts))
+            rows = spec.shape[0]
+            # an FP8 scale has a row per 32-row tile; the other scales one per row
+            scale_rows = -(-rows // cfg.fp8_block_size) if spec.kind == "fp8" else rows
+            out = [torch.empty((r, *p.shape[1:]), dtype=p.dtype) for r, p in zip((rows, scale_rows), parts)]
+            at = [0] * len(parts)
+        for i, p in enumerate(parts):
+            out[i][at[i]: at[i] + p.shape[0]] = p
+            at[i] += p.shape[0]
+    return list(zip(names, out))
 
 
 def _shard_plan(spec: dict[str, TensorSpec], shard_bytes: int) -> list[list[str]]:
@@ -407,8 +456,7 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
                 weight_map[name] = shard
                 total += t.numel() * t.element_size()
             with disk_full_is_an_error(tmp / shard, need, f"checkpoint shard {shard}"):
-                safetensors.torch.save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-            os.chmod(tmp / shard, 0o644)  # safetensors creates files owner-only; the JSON files are 0644 too
+                _save_shard(tensors, tmp / shard)
             del tensors
         _write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
         _write_json(tmp / HF_CONFIG_NAME, hf_config(cfg, derived))
@@ -427,6 +475,19 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
         console.print(f"wrote {out}: {len(weight_map)} tensors in {len(plan)} shards, "
                       f"{total / 2**20:.1f} MiB, seed {seed}, {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write `tensors` (contiguous, CPU) to `path` with the bytes of `safetensors.torch.save_file(
+    tensors, path, metadata={"format": "pt"})`, streamed from the tensors (the library copies every
+    tensor into a bytes object first: twice a shard's size in memory); mode 0644, as the JSON files."""
+    prefix, order = sf.layout({n: (sf.NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()}, {"format": "pt"})
+    with open(path, "wb") as f:
+        f.write(prefix)
+        for name in order:
+            for piece in tensor_chunks(tensors[name]):
+                f.write(piece)
+    os.chmod(path, 0o644)
 
 
 def _check_drawn(s: TensorSpec, t: torch.Tensor) -> None:

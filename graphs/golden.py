@@ -19,7 +19,7 @@ from dsneuron.runtime_min.engram_hash import NgramHasher
 from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
-from .model import Capture, Transformer, gemm_order
+from .model import Capture, Linear, Transformer, gemm_order
 from .steps import decode, prefill, prefill_chunk
 from .weights import build_model, model_weights
 
@@ -32,12 +32,25 @@ class StepRecord:
     capture: dict[str, torch.Tensor] | None
 
 
+#: the golden keeps float64 copies of its linears' weights (Transformer.cache_dequantized: 8 bytes a
+#: value) up to this many bytes; tiny's are 3.4 GiB, the V4.1-width slice's 29.5 GiB, more than the
+#: hosts it runs on have. Above it every linear dequantises its weight on each call: the same values
+#: (exact), slower.
+CACHE_LIMIT_BYTES = 8 * 2**30
+
+
+def float64_cache_bytes(model: Transformer) -> int:
+    """Bytes of the float64 weight copies `Transformer.cache_dequantized` would keep for `model`."""
+    return sum(8 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
+
+
 class Golden:
     """A loaded model plus its engram hasher.
 
     checkpoint: folder written by `dsneuron make-checkpoint` (validated on load); max_seq_len:
     context capacity (sizes the caches and RoPE tables); tokenizer: tokenizer.json path (None: the
-    packaged DeepSeek V4 tokenizer). Raises CheckpointError / ConfigError on bad input.
+    packaged DeepSeek V4 tokenizer). The float64 weight copies are kept when they take at most
+    CACHE_LIMIT_BYTES (`float64_cache_bytes`). Raises CheckpointError / ConfigError on bad input.
     """
 
     def __init__(self, cfg: ModelConfig, checkpoint: Path, max_seq_len: int, tokenizer: str | Path | None = None):
@@ -48,7 +61,8 @@ class Golden:
         self.stored_dtypes = {n: t.dtype for n, t in stored.items()}
         self.model: Transformer = build_model(cfg, stored, rows, max_seq_len)
         del stored
-        self.model.cache_dequantized()
+        if float64_cache_bytes(self.model) <= CACHE_LIMIT_BYTES:
+            self.model.cache_dequantized()
         self._kernel_weights = False
         self.engram = engram_params(cfg, tokenizer) if cfg.engram_layer_ids else None
         self.hasher = NgramHasher(self.engram.to_dict()) if self.engram else None

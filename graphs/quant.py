@@ -493,10 +493,18 @@ def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                          f"got {x.dtype} and {w.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    wd = w.double()
-    step = _chunk_rows(8 * (k + w.shape[0]))
-    parts = [torch.nn.functional.linear(rows[r:r + step].double(), wd).float() for r in range(0, max(rows.shape[0], 1), step)]
-    return (torch.cat(parts) if len(parts) != 1 else parts[0]).reshape(*lead, w.shape[0])
+    n = w.shape[0]
+    # a weight whose float64 copy exceeds the chunk budget (V4.1's head: 5.3 GB) is taken a slice of
+    # its output rows at a time; its values are bf16 ones, so each output is the correctly rounded
+    # dot product whatever the slicing (above), and the smaller weights are not sliced at all
+    w_step = max(n, 1) if w.dtype == torch.float64 or 8 * n * k <= _EXACT_CHUNK_BYTES else max(1, _EXACT_CHUNK_BYTES // (8 * k))
+    cols = []
+    for c in range(0, max(n, 1), w_step):
+        wd = w[c:c + w_step].double()
+        step = _chunk_rows(8 * (k + wd.shape[0]))
+        parts = [torch.nn.functional.linear(rows[r:r + step].double(), wd).float() for r in range(0, max(rows.shape[0], 1), step)]
+        cols.append(torch.cat(parts) if len(parts) != 1 else parts[0])
+    return (torch.cat(cols, dim=-1) if len(cols) != 1 else cols[0]).reshape(*lead, n)
 
 
 def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order: str = "ascending") -> torch.Tensor:

@@ -140,17 +140,22 @@ def _entry(name: str, info: object) -> Entry:
     return Entry(dtype, tuple(shape), begin, end)
 
 
-def layout(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[bytes, list[str]]:
+def layout(tensors: dict[str, tuple[str, tuple[int, ...]]],
+           metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]]:
     """(the file's first 8 + N bytes, tensor names in data order) of a safetensors file holding
-    `tensors` {name: (dtype name, shape)}, exactly as the library writes it without metadata:
-    sorted by WRITE_ORDER descending, then name; compact JSON; padded with spaces to 8 bytes.
-    Raises HeaderError for a dtype outside WRITE_ORDER."""
+    `tensors` {name: (dtype name, shape)}, exactly as the library writes it: "__metadata__" first
+    when `metadata` is given (one key: the library keeps several in a hash map's order), then the
+    tensors sorted by WRITE_ORDER descending, then name; compact JSON; padded with spaces to 8
+    bytes. Raises HeaderError for a dtype outside WRITE_ORDER, or metadata of more than one key."""
+    if metadata is not None and len(metadata) != 1:
+        raise HeaderError(f"metadata {metadata!r}: the library's order is reproduced for one key only")
     rank = {d: i for i, d in enumerate(WRITE_ORDER)}
     bad = [n for n, (d, _) in tensors.items() if d not in rank]
     if bad:
         raise HeaderError(f"tensor {bad[0]}: dtype {tensors[bad[0]][0]!r} has no byte layout here")
     order = sorted(tensors, key=lambda n: (-rank[tensors[n][0]], n))
-    header, at = {}, 0
+    header: dict = {} if metadata is None else {"__metadata__": dict(metadata)}
+    at = 0
     for name in order:
         dtype, shape = tensors[name]
         nbytes = math.prod(shape) * DTYPES[dtype][1]

@@ -134,6 +134,33 @@ def test_tensor_seed_is_stable():
     assert ck.tensor_seed(7, "a") != ck.tensor_seed(8, "a") != ck.tensor_seed(7, "b")
 
 
+@pytest.mark.parametrize("name", ["layers.2.attn.wq_b.weight", "layers.1.ffn.experts.3.w1.weight",
+                                  "layers.0.engram.embed.weight", "embed.weight",
+                                  "layers.1.attn.compressor.wkv.weight"])
+def test_a_tensor_drawn_in_pieces_is_the_whole_draw(micro_cfg, name):
+    """_stored draws and quantizes a large tensor in row pieces: with pieces of 32-row multiples and
+    a ragged last one (FP8 rows 100 of 32-row tiles, here made by slicing the spec), the stored
+    tensors equal the whole fp32 draw quantized at once, bit for bit."""
+    spec = checkpoint_spec(micro_cfg, _rows(micro_cfg))[name]
+    if spec.kind == "fp8":  # a ragged row count: the last piece ends inside a 32-row tile
+        spec = dataclasses.replace(spec, shape=(100, *spec.shape[1:]))
+    whole = ck._quantized(spec, micro_cfg, draw_tensor(spec, micro_cfg, 0))
+    row_bytes = 4 * math.prod(ck._logical_shape(spec)[1:])
+    pieces = ck._stored(spec, micro_cfg, 0, piece_bytes=row_bytes * 40)  # 32-row pieces
+    assert len(pieces) == len(whole) and ck._logical_shape(spec)[0] > 32
+    for (_, got), want in zip(pieces, whole):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def test_a_streamed_shard_has_save_files_bytes(tmp_path):
+    tensors = {"b.weight": torch.randn(40, 64).to(torch.float8_e4m3fn), "b.scale": torch.ones(2, 2).to(torch.float8_e8m0fnu),
+               "a": torch.randn(7, dtype=torch.bfloat16), "c": torch.randn(3, 5)}
+    ck._save_shard(tensors, tmp_path / "ours.safetensors")
+    safetensors.torch.save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
+    assert (tmp_path / "ours.safetensors").stat().st_mode & 0o777 == 0o644
+
+
 # -------------------------------------------------------------------------------- round trip
 def _pow2_ceil(x: np.ndarray) -> np.ndarray:
     return np.exp2(np.ceil(np.log2(x)))

@@ -139,6 +139,20 @@ def test_same_inputs_bitwise_same_outputs(golden):
     assert torch.equal(a, b) and all(torch.equal(sa[k].nan_to_num(), sb[k].nan_to_num()) for k in sa)
 
 
+def test_golden_without_its_float64_copies_gives_the_same_logits(golden, micro_checkpoint, monkeypatch):
+    """Above CACHE_LIMIT_BYTES (here 0) the golden keeps no float64 weight copies and dequantises on
+    each call: the same logits, bit for bit (prefill and 2 decode steps)."""
+    from dsneuron.graphs import golden as G
+
+    monkeypatch.setattr(G, "CACHE_LIMIT_BYTES", 0)
+    plain = G.Golden(golden.cfg, micro_checkpoint, golden.max_seq_len)
+    lins = [m for m in plain.model.modules() if isinstance(m, M.Linear)]
+    assert lins and all(m.cached is None for m in lins) and G.float64_cache_bytes(plain.model) > 0
+    seq = _tokens(8, seed=7)[0].tolist()
+    want, got = golden.teacher_forced(seq, 6), plain.teacher_forced(seq, 6)
+    assert len(got) == 3 and all(torch.equal(a.logits, b.logits) for a, b in zip(want, got))
+
+
 def test_routed_moe_equals_dense_moe(golden):
     """Adding exact zeros for unrouted experts leaves the fp32 combine bit-identical."""
     moe = golden.model.layers[1].ffn

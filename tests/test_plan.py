@@ -265,3 +265,54 @@ def test_decode_state_read_grows_by_the_indexer_keys_only():
 
     assert decode_state_read(cfg, large) - decode_state_read(cfg, small) == index_k(large) - index_k(small)
     assert decode_state_read(cfg, large) < state_bytes(cfg, 1, large)
+
+
+# ------------------------------------------------------------------------------- the cpu target's bandwidth
+def _micro_decode_only(tmp_path):
+    """micro with one decode bucket only, as a config file (the fast plan: one fake decode run)."""
+    model, _, _ = load_config("micro")
+    cfg = tmp_path / "micro_decode.json"
+    cfg.write_text(json.dumps({"model": model.to_dict(), "compile": CompileConfig(64, (1,), (16,), (64,)).to_dict()}))
+    return cfg
+
+
+def test_cpu_bandwidth_flag_sets_the_roofline_and_says_so(monkeypatch, capsys, tmp_path):
+    """--bandwidth-gbs 40: the header names it as given, the JSON's per-rank bandwidth is 40e9 B/s and
+    the roofline is the slowest rank's bytes at 40 GB/s; nothing is measured."""
+    import dsneuron.kernels_nki.cpu_bench as cpu_bench
+
+    monkeypatch.setattr(cpu_bench, "stream_gbs", lambda runs: pytest.fail("measured although --bandwidth-gbs was given"))
+    monkeypatch.setenv("COLUMNS", "250")
+    out = tmp_path / "plan.json"
+    assert run_cli(monkeypatch, "plan", "--config", str(_micro_decode_only(tmp_path)), "--bandwidth-gbs", "40",
+                   "--json", str(out)) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "read bandwidth 40.0 GB/s given by --bandwidth-gbs" in text, text
+    data = json.loads(out.read_text())
+    assert data["instance"]["bw_per_rank"] == 40e9
+    assert math.isclose(data["roofline_s_per_token"], data["decode_read"]["slowest_rank"] / 40e9)
+
+
+def test_cpu_bandwidth_is_measured_without_the_flag(monkeypatch):
+    """Without --bandwidth-gbs the host's bandwidth is stream_gbs's figure (here a stand-in 12.5),
+    and the note says it was measured; the real measurement is a positive finite figure."""
+    import dsneuron.kernels_nki.cpu_bench as cpu_bench
+
+    real = cpu_bench.stream_gbs(1)
+    assert math.isfinite(real) and real > 0
+    monkeypatch.setattr(cpu_bench, "stream_gbs", lambda runs: 12.5)
+    inst = P.resolve_instance("cpu", None)
+    assert inst.bw_per_rank == 12.5e9 and "read bandwidth 12.5 GB/s measured" in inst.note, inst.note
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_bad_bandwidth_exits_2(monkeypatch, capsys, value):
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--bandwidth-gbs", value) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--bandwidth-gbs" in err and "must be a finite number of GB/s > 0" in err, err
+
+
+def test_bandwidth_flag_goes_with_the_cpu_target(monkeypatch, capsys):
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--target", "neuron", "--bandwidth-gbs", "40") == 2
+    assert "--bandwidth-gbs 40.0: goes with --target cpu" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "plan", "--config", "micro", "--bandwidth-gbs", "fast") == 2

@@ -846,3 +846,21 @@ def test_export_with_neuron_spelling_refuses_a_raw_float8_cast_and_float64():
         export_step(StepGraph(RawCast(), (("x", torch.ones(4)),), ("y",)), {}, "raw", neuron_spelling=True)
     with pytest.raises(CompileError, match=r"left 3 node\(s\) with a float64 dtype, first to \(aten.to.dtype, torch.float64\).*no float64"):
         export_step(StepGraph(Wide(), (("x", torch.ones(4)),), ("y",)), {}, "wide", neuron_spelling=True)
+
+
+def test_exact_linear_takes_a_large_weight_a_slice_of_rows_at_a_time(monkeypatch):
+    """A weight whose float64 copy exceeds the chunk budget is sliced by output rows (so V4.1's
+    head never has a whole float64 copy): bf16-valued operands give the float64 F.linear of the whole
+    weight rounded once, bit for bit, with a ragged last slice."""
+    from dsneuron.graphs import quant as Q
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(1000, 96, generator=g).bfloat16().float()
+    x = torch.randn(2, 5, 96, generator=g).bfloat16().float()
+    want = torch.nn.functional.linear(x.double(), w.double()).float()
+    calls = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, b: calls.append(b.shape[0]) or real(a, b))
+    monkeypatch.setattr(Q, "_EXACT_CHUNK_BYTES", 8 * 96 * 300)
+    got = Q.exact_linear(x, w)
+    assert calls == [300, 300, 300, 100] and torch.equal(got, want)
