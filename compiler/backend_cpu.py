@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,22 @@ def effective_flags(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     flags = dict(DEFAULT_FLAGS)
     flags.update(overrides or {})
     return dict(sorted(flags.items()))
+
+
+def warm_up() -> threading.Thread:
+    """Start Inductor's vector-ISA probe in a thread of this process and return the thread.
+
+    Inductor settles which vector ISAs this host can build and load once per process: one g++
+    build of a probe library per ISA (seconds each with a cold Inductor cache) and one Python
+    subprocess per ISA that loads it. Made here before the compile workers are forked, they
+    inherit the answer instead of each working it out (the first worker building the probes while
+    the other waits on their file locks). Mostly subprocess time, so the thread runs beside the
+    parent's own planning; join it before forking (a fork must not copy a half-run probe)."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    thread = threading.Thread(target=valid_vec_isa_list, name="dsneuron-vec-isa-probe", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
@@ -69,6 +70,9 @@ class Backend(Protocol):
     cache key ingredient; toolchain: the manifest's `toolchain`; input_views: {weight dtype: dtype}
     of weights passed to the executable as same-width views (compiler/export.py); neuron_spelling:
     export with FP8 decodes and roundings in integer arithmetic and no float64 (kernels_nki/formats.py).
+    A backend may also define warm_up() -> threading.Thread: set-up that every compile of a process
+    shares, started when the first staged bucket misses the cache and joined before the compile
+    workers are forked (compiler/staged.py), so that they inherit it.
     """
 
     target: str
@@ -113,6 +117,10 @@ class CpuBackend:
 
     def key_ingredients(self, stem: str) -> tuple[dict[str, Any], dict[str, Any]]:
         return self.flags, self.toolchain
+
+    def warm_up(self) -> threading.Thread:
+        """Start the per-process set-up of every compile in a thread (backend_cpu.warm_up)."""
+        return backend_cpu.warm_up()
 
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
         backend_cpu.compile_cpu(program, out, self.flags)

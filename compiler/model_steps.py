@@ -23,7 +23,7 @@ from dsneuron.graphs.lazy import Computed, placeholder
 from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
-from dsneuron.runtime_min.bundle import prepare_tensors
+from dsneuron.runtime_min.bundle import prepared_specs
 from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare, engram_columns
 
 from .buckets import plan_buckets
@@ -213,13 +213,8 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
 
 def _prepared_placeholders(recipes: list[Prepare], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{output name: placeholder} for every recipe output, with the shape and dtype the recipe
-    makes (runtime_min prepare_tensors run on fake tensors: no data read, nothing computed).
-    Raises CompileError for an output that is not contiguous (weights are passed contiguous)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fakes = {n: t for r in recipes for n, t in prepare_tensors(r, weights).items()}
-    bad = [n for n, t in fakes.items() if not t.is_contiguous()]
-    if bad:
-        raise CompileError(f"prepare recipe output {bad[0]}: not contiguous; prepared weights are passed contiguous")
-    return {n: placeholder(tuple(t.shape), t.dtype) for n, t in fakes.items()}
+    makes (runtime_min prepared_specs: from the shapes and dtypes alone, nothing read or computed;
+    a pass over fake tensors would import torch._dynamo, 1-2 s that a compile whose buckets all
+    come from the cache has no other use for). Raises BundleError for a recipe that does not fit
+    its weights."""
+    return {n: placeholder(shape, dtype) for r in recipes for n, (shape, dtype) in prepared_specs(r, weights).items()}

@@ -45,7 +45,6 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-import ml_dtypes
 import torch
 
 from .export import CompileError
@@ -251,6 +250,7 @@ class KernelOp:
 def _importer_classes() -> tuple[type, type]:
     """(hooks, node importer) classes over torch-mlir's FxImporter (defined lazily: torch-mlir is
     imported only by a neuron compile)."""
+    import ml_dtypes
     from torch_mlir.extras.fx_importer import TORCH_DTYPE_TO_MLIR_TYPE, FxImporterHooks, GraphNodeImporter
     from torch_mlir.ir import DenseElementsAttr, FlatSymbolRefAttr, Operation, UnitAttr
 
@@ -429,6 +429,7 @@ def _tidy(module: Any, what: str) -> None:
     a constant of the converted type (numpy's cast: round to nearest even, as the convert): the
     float64 / int64 scalars torch-mlir makes of Python numbers and converts on the spot. Then
     canonicalize drops the constants left unused."""
+    import ml_dtypes
     import numpy as np
     from torch_mlir.compiler_utils import run_pipeline_with_repro_report
     from torch_mlir.ir import DenseElementsAttr, InsertionPoint, Operation, RankedTensorType

@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -66,6 +67,9 @@ class StagedCompile:
     tasks: list[_Task] = field(default_factory=list)
     owners: dict[tuple, _Task] = field(default_factory=dict)
     compiled: int = 0
+    #: the backend's warm-up (an optional `warm_up() -> Thread` of the backend), started by the first
+    #: bucket to compile and joined before the workers are forked
+    warming: threading.Thread | None = None
 
     def plan(self, pb: PlannedBucket, prekey: str | None, folder: str, per_token_len: int | None = None) -> bool:
         """Queue what bucket `pb` needs; returns True when its record came from the front index.
@@ -76,6 +80,8 @@ class StagedCompile:
         if record is not None:
             self.records[pb] = record
             return True
+        if self.warming is None and hasattr(self.backend, "warm_up"):
+            self.warming = self.backend.warm_up()
         graphs = self.parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step,
                                          per_token_len)
         ext = Path(bucket_file(pb.kind, pb.batch, pb.length, self.key_parts[2])).suffix
@@ -109,6 +115,8 @@ class StagedCompile:
         """Make every queued executable (module docstring, step 2), `workers` at a time; calls
         progress(done, total) as they finish. Raises what a task raises."""
         global _RUNNING
+        if self.warming is not None:
+            self.warming.join()
         _RUNNING = self
         try:
             # the block halves first (the largest graphs; a source's attention more than a consumer's)

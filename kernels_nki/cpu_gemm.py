@@ -58,6 +58,7 @@ import os
 import platform
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,37 +142,52 @@ def prepare_weight(fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = 
     "fp4": weight int8/uint8/float4_e2m1fn_x2 [..., N, K/2], scale e8m0/uint8 [..., N, K/32];
     "bf16" / "fp32": weight of that dtype [..., N, K], no scale. K % 32 == 0. A leading expert dim
     [E, ...] gives the stacked form of `gemm_panels_segments`. Plain torch ops on static shapes,
-    so it also runs under torch.export on fake tensors. Raises ValueError on a dtype or shape off
-    the contract.
+    so it also runs under torch.export on fake tensors; `prepared_specs` gives the outputs' shapes
+    and dtypes without running it. Raises ValueError on a dtype or shape off the contract.
     """
+    prepared_specs(fmt, weight, scale)
+    if fmt in ("bf16", "fp32"):
+        return {"w": _panels(weight), "w_scale": weight.new_empty(0, dtype=torch.float32)}
+    s = ue8m0_to_float(scale)
+    if fmt == "fp8":
+        # panel p lies in scale tile p // 2
+        s = s.repeat_interleave(BLOCK // PANEL, dim=-2)[..., : -(-weight.shape[-2] // PANEL), :].contiguous()
+    else:
+        s = _panels(s)
+    return {"w": _panels(weight.view(torch.uint8)), "w_scale": s}
+
+
+def prepared_specs(fmt: str, weight: Any, scale: Any | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{"w", "w_scale"}: (shape, dtype) of what `prepare_weight(fmt, weight, scale)` returns (all
+    contiguous), from the .shape and .dtype of `weight` and `scale` alone (tensors, or anything
+    with those two attributes): no tensor op runs, so nothing is read or dispatched. Raises
+    ValueError as prepare_weight does, for the same dtypes and shapes."""
     fn = "prepare_weight"
     if fmt not in FORMATS:
         raise ValueError(f"{fn}: fmt must be one of {FORMATS}, got {fmt!r}")
-    if weight.dim() < 2:
+    if len(weight.shape) < 2:
         raise ValueError(f"{fn}: weight must be [..., N, K], got shape {tuple(weight.shape)}")
-    lead, (n, kw) = tuple(weight.shape[:-2]), weight.shape[-2:]
+    lead, (n, kw) = tuple(weight.shape[:-2]), tuple(weight.shape[-2:])
     k = 2 * kw if fmt == "fp4" else kw
     if k == 0 or k % BLOCK:
         raise ValueError(f"{fn}: K must be a positive multiple of {BLOCK}, got {k}")
+    panels = -(-n // PANEL)
     if fmt in ("bf16", "fp32"):
         _check_dtype(fn, "weight", weight, (torch.bfloat16,) if fmt == "bf16" else (torch.float32,))
         if scale is not None:
             raise ValueError(f"{fn}: fmt {fmt!r} takes no scale")
-        return {"w": _panels(weight), "w_scale": weight.new_empty(0, dtype=torch.float32)}
+        return {"w": ((*lead, panels, k, PANEL), weight.dtype), "w_scale": ((0,), torch.float32)}
     if scale is None:
         raise ValueError(f"{fn}: fmt {fmt!r} needs its UE8M0 scale")
     _check_dtype(fn, "scale", scale, (torch.float8_e8m0fnu, torch.uint8))
-    s = ue8m0_to_float(scale)
+    w = ((*lead, panels, kw, PANEL), torch.uint8)
     if fmt == "fp8":
         _check_dtype(fn, "weight", weight, (torch.float8_e4m3fn, torch.uint8))
         _check_shape(fn, "scale", scale, (*lead, -(-n // BLOCK), k // BLOCK))
-        # panel p lies in scale tile p // 2
-        s = s.repeat_interleave(BLOCK // PANEL, dim=-2)[..., : -(-n // PANEL), :].contiguous()
-    else:
-        _check_dtype(fn, "weight", weight, (torch.int8, torch.uint8, torch.float4_e2m1fn_x2))
-        _check_shape(fn, "scale", scale, (*lead, n, k // BLOCK))
-        s = _panels(s)
-    return {"w": _panels(weight.view(torch.uint8)), "w_scale": s}
+        return {"w": w, "w_scale": ((*lead, panels, k // BLOCK), torch.float32)}
+    _check_dtype(fn, "weight", weight, (torch.int8, torch.uint8, torch.float4_e2m1fn_x2))
+    _check_shape(fn, "scale", scale, (*lead, n, k // BLOCK))
+    return {"w": w, "w_scale": ((*lead, panels, k // BLOCK, PANEL), torch.float32)}
 
 
 # ------------------------------------------------------------------------------------------ ops

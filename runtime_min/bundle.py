@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import platform
 import re
 from dataclasses import dataclass
@@ -260,6 +261,41 @@ def prepare_tensors(p: Prepare, tensors: dict[str, torch.Tensor]) -> dict[str, t
     except (ValueError, RuntimeError) as e:
         raise BundleError(f"manifest prepare of {p.weights[0]}: {e}") from None
     return {p.outputs[0]: out["w"], p.outputs[1]: out["w_scale"]}
+
+
+def prepared_specs(p: Prepare, tensors: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{output name: (shape, dtype)} of what `prepare_tensors(p, tensors)` makes, from the .shape
+    and .dtype of the tensors alone (kernels_nki.cpu_gemm.prepared_specs): nothing is read or run.
+    Raises BundleError when the recipe does not fit its tensors (prepare_tensors would fail)."""
+    from dsneuron.kernels_nki import cpu_gemm
+
+    def stacked(names: tuple[str, ...]) -> Any:
+        specs = {(tuple(tensors[n].shape), tensors[n].dtype) for n in names}
+        if len(specs) > 1:
+            raise BundleError(f"manifest prepare of {p.weights[0]}: {list(names)} differ in shape or dtype")
+        shape, dtype = specs.pop()
+        return _Spec((len(names), *shape) if len(names) > 1 else shape, dtype)
+
+    w = stacked(p.weights)
+    scale = stacked(p.scales) if p.scales else None
+    if p.groups:
+        rows = math.prod(w.shape[:-1])
+        if rows % p.groups:
+            raise BundleError(f"manifest prepare of {p.weights[0]}: {rows} rows do not split into {p.groups} groups")
+        w = _Spec((p.groups, rows // p.groups, w.shape[-1]), w.dtype)
+    try:
+        out = cpu_gemm.prepared_specs(p.fmt, w, scale)
+    except ValueError as e:
+        raise BundleError(f"manifest prepare of {p.weights[0]}: {e}") from None
+    return {p.outputs[0]: out["w"], p.outputs[1]: out["w_scale"]}
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """A tensor's shape and dtype, for `prepared_specs`."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def read_manifest(root: Path) -> Manifest:

@@ -661,3 +661,38 @@ def test_weights_in_shards_load_as_one_file(micro_bundle, tmp_path):
     old = dataclasses.replace(read_manifest(out), schema_version=2).to_json()
     with pytest.raises(BundleError, match="weight_files needs schema version 3"):
         Manifest.from_json(old)
+
+
+# ------------------------------------------------------------------------------------------ prepare recipes
+def test_prepared_specs_are_what_prepare_tensors_makes(micro_cfg, micro_checkpoint):
+    """Every recipe of the micro model (fp8, fp4, bf16, fp32; stacked experts; grouped wo_a):
+    the shapes and dtypes without running it equal what the recipe makes from the real tensors."""
+    from dsneuron.graphs import checkpoint as ck
+    from dsneuron.graphs.engram import engram_layout
+    from dsneuron.graphs.kernel_weights import kernel_recipes
+    from dsneuron.graphs.model import Transformer
+    from dsneuron.graphs.weights import model_weights
+    from dsneuron.runtime_min.bundle import prepare_tensors, prepared_specs
+
+    rows = engram_layout(micro_cfg).num_embeddings
+    weights = model_weights(ck.load_checkpoint(micro_checkpoint, micro_cfg, rows), micro_cfg)
+    recipes = kernel_recipes(Transformer(micro_cfg, rows, 64), weights)
+    assert {r.fmt for r in recipes} >= {"fp8", "fp4"} and any(len(r.weights) > 1 for r in recipes)
+    for r in recipes:
+        made = prepare_tensors(r, weights)
+        assert all(t.is_contiguous() for t in made.values())
+        assert prepared_specs(r, weights) == {n: (tuple(t.shape), t.dtype) for n, t in made.items()}, r.outputs
+
+
+def test_prepared_specs_refuse_what_prepare_tensors_cannot_make():
+    from dsneuron.runtime_min.bundle import prepared_specs
+    from dsneuron.runtime_min.schema import Prepare
+
+    t = {"a": torch.zeros(4, 64, dtype=torch.bfloat16), "b": torch.zeros(5, 64, dtype=torch.bfloat16),
+         "s": torch.zeros(4, 2, dtype=torch.uint8)}
+    for message, recipe in [("differ in shape", Prepare("bf16", ("a", "b"), (), 0, ("w", "ws"))),
+                            ("do not split into 3 groups", Prepare("bf16", ("a",), (), 3, ("w", "ws"))),
+                            ("takes no scale", Prepare("bf16", ("a",), ("s",), 0, ("w", "ws"))),
+                            ("weight must be one of", Prepare("fp8", ("a",), ("s",), 0, ("w", "ws")))]:
+        with pytest.raises(BundleError, match=message):
+            prepared_specs(recipe, t)

@@ -265,6 +265,9 @@ def test_prepare_weight_round_trip(fmt, n):
     with FakeTensorMode() as mode:  # what torch.export traces
         fake = G.prepare_weight(fmt, mode.from_tensor(weight), None if scale is None else mode.from_tensor(scale))
     assert {k: (v.shape, v.dtype) for k, v in fake.items()} == {k: (v.shape, v.dtype) for k, v in prep.items()}
+    for args, made in [((weight, scale), prep), ((weight.unsqueeze(0).expand(2, *weight.shape),
+                                                  None if scale is None else scale.unsqueeze(0).expand(2, *scale.shape)), stacked)]:
+        assert G.prepared_specs(fmt, *args) == {k: (tuple(v.shape), v.dtype) for k, v in made.items()}
 
 
 # ------------------------------------------------------------------------------------------ bad input

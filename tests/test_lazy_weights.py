@@ -357,7 +357,7 @@ def test_placeholder_is_zeros_and_not_resident():
     assert rss() - before < 64 * 2**20  # resident, they would be 1 GiB
 
 
-@pytest.mark.slow  # ~45 s: the micro ModelParts (fake-tensor prepare, dynamo import) and an eager load
+@pytest.mark.slow  # the micro ModelParts and an eager load
 def test_micro_compile_parts_store_the_checkpoints_bytes(micro_checkpoint, micro_cfg, tmp_path):
     """The cpu compile's ModelParts read no tensor: the prepared kernel weights are placeholders,
     the stored weights come from the checkpoint files or the deferred wo_a dequantisation, and
