@@ -176,7 +176,7 @@ def test_config_file_that_is_not_utf8_is_refused(tmp_path):
 
 def test_config_that_is_a_folder_or_missing_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"is a folder; --config takes a JSON config file or a packaged config name "
-                                          r"\(packaged: micro, tiny, v4.1-flash\)"):
+                                          r"\(packaged: micro, tiny, v4.1-flash, v4.1-flash-slice\)"):
         load_config(str(tmp_path))
     with pytest.raises(ConfigError, match=r"no such file, and no packaged config of that name"):
         load_config(str(tmp_path / "none.json"))
