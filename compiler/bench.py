@@ -279,10 +279,11 @@ def _cold_compile(config: str, work: Path, name: str) -> dict:
 
 def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
         names: tuple[str, ...] = ("short", "medium", "long"), doubled: bool = True,
-        batch_sizes: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 8), eager: bool = True) -> dict:
     """The whole benchmark (module docstring); returns every figure as plain data. doubled: also
     time the cold compile of `doubled_layers`; batch_sizes: the decode batch buckets of item 5
-    (empty: skipped)."""
+    (empty: skipped); eager: also time the eager golden model (item 3; at V4.1 widths it holds
+    float64 weight copies and takes minutes a prompt)."""
     from dsneuron.compiler.bench_serve import compile_with
     from dsneuron.compiler.buckets import PlannedBucket
     from dsneuron.compiler.config import load_config
@@ -319,8 +320,10 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
             "decode_ids": decode_ids, "repeats": repeats, "model": model_cfg.to_dict()}
     console.print("measuring the bundle ...")
     compiled = _child("bundle", args)
-    console.print("measuring the eager golden model ...")
-    eager = _child("eager", args)
+    eager_r = None
+    if eager:
+        console.print("measuring the eager golden model ...")
+        eager_r = _child("eager", args)
     batches = {}
     if batch_sizes:
         over = {"batch_sizes": list(batch_sizes), "prefill_seq_lens": [min(compile_cfg.prefill_seq_lens or [128])],
@@ -334,7 +337,7 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
     return {"config": config, "layers": model_cfg.n_layers, "layers_doubled": cfg2.n_layers if doubled else None,
             "compile_cold_s": cold["seconds"], "compile_warm_s": warm["seconds"],
             "compile_doubled_cold_s": cold2["seconds"] if cold2 else None,
-            "compiled": compiled, "eager": eager, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
+            "compiled": compiled, "eager": eager_r, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
             "prefill_flops": {long: flops}, "decode_step_s": batches,
             "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": (work / "bundle" / "weights.safetensors").stat().st_size,
             "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
@@ -344,7 +347,8 @@ def report(r: dict, console: Console) -> None:
     """Print the figures of `run`: the summary table, then the per-stage tables and the decode
     batch table."""
     c, e = r["compiled"], r["eager"]
-    t = Table(title=f"dsneuron bench: {r['config']} ({c['threads']} threads compiled, {e['threads']} eager, {r['host_cores']} cores)")
+    t = Table(title=f"dsneuron bench: {r['config']} ({c['threads']} threads compiled, "
+                    f"{e['threads'] if e else 'no'} eager, {r['host_cores']} cores)")
     for col in ("figure", "compiled", "eager golden", "ratio"):
         t.add_column(col, justify="left" if col == "figure" else "right")
     t.add_row("compile, cold", f"{r['compile_cold_s']:.1f} s", "", "")
@@ -354,18 +358,20 @@ def report(r: dict, console: Console) -> None:
                   f"{r['compile_doubled_cold_s'] / r['compile_cold_s']:.2f}x of {r['layers']} layers")
     t.add_row("bundle load", f"{c['load_s']:.2f} s", "", "")
     for n, s in c["prefill_s"].items():
-        t.add_row(f"prefill {n} tokens", f"{s * 1e3:.0f} ms", f"{e['prefill_s'][n] * 1e3:.0f} ms", f"{e['prefill_s'][n] / s:.2f}x")
+        t.add_row(f"prefill {n} tokens", f"{s * 1e3:.0f} ms", f"{e['prefill_s'][n] * 1e3:.0f} ms" if e else "",
+                  f"{e['prefill_s'][n] / s:.2f}x" if e else "")
     for n, flops in r["prefill_flops"].items():
         rate = flops / c["prefill_s"][n] / 1e9
         t.add_row(f"prefill {n}: {flops / 1e9:.0f} GFLOP", f"{rate:.0f} GFLOP/s",
                   f"torch.mm bf16 {c['mm_bf16_gflops']:.0f}, fp32 FMA peak {c['fma_peak_gflops']:.0f}",
                   f"{rate / c['mm_bf16_gflops'] * 100:.0f}% of bf16 mm, {rate / c['fma_peak_gflops'] * 100:.0f}% of FMA")
-    t.add_row("decode", f"{1 / c['decode_s']:.2f} tok/s", f"{1 / e['decode_s']:.2f} tok/s", f"{e['decode_s'] / c['decode_s']:.2f}x")
+    t.add_row("decode", f"{1 / c['decode_s']:.2f} tok/s", f"{1 / e['decode_s']:.2f} tok/s" if e else "",
+              f"{e['decode_s'] / c['decode_s']:.2f}x" if e else "")
     ideal = r["decode_bytes"] / (c["read_gbs"] * 1e9)
     t.add_row("decode roofline", f"{ideal * 1e3:.1f} ms/token", f"{r['decode_bytes'] / 1e6:.0f} MB at {c['read_gbs']:.1f} GB/s",
               f"{ideal / c['decode_s'] * 100:.0f}% reached")
     gib = 2.0**30
-    t.add_row("peak RSS", f"{c['peak_rss'] / gib:.2f} GiB", f"{e['peak_rss'] / gib:.2f} GiB",
+    t.add_row("peak RSS", f"{c['peak_rss'] / gib:.2f} GiB", f"{e['peak_rss'] / gib:.2f} GiB" if e else "",
               f"{c['peak_rss'] / r['checkpoint_bytes']:.2f}x checkpoint")
     t.add_row("bundle size", f"{r['bundle_bytes'] / gib:.2f} GiB", f"checkpoint {r['checkpoint_bytes'] / gib:.2f} GiB",
               f"{r['bundle_bytes'] / r['checkpoint_bytes']:.2f}x")
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode", type=int, default=16, help="decode steps after the longest prompt")
     ap.add_argument("--prompts", default="short,medium,long", help="which shipped prompts (comma-separated)")
     ap.add_argument("--no-doubled", action="store_true", help="skip the doubled-layer cold compile")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager golden model's timings")
     ap.add_argument("--batch-sizes", default="1,2,4,8", help="decode batch buckets timed (comma-separated; '' skips)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -415,7 +422,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     console = Console(stderr=True)
     batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b)
-    r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")), not a.no_doubled, batch_sizes)
+    r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")), not a.no_doubled, batch_sizes,
+            not a.no_eager)
     report(r, Console())
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
