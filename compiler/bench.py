@@ -339,7 +339,7 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
             "compile_doubled_cold_s": cold2["seconds"] if cold2 else None,
             "compiled": compiled, "eager": eager_r, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
             "prefill_flops": {long: flops}, "decode_step_s": batches,
-            "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": (work / "bundle" / "weights.safetensors").stat().st_size,
+            "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": sum(f.stat().st_size for f in (work / "bundle").glob("weights*.safetensors")),
             "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
 
 
