@@ -1,6 +1,7 @@
 """The main-job benchmark: the compiled bundle next to the eager golden model, from one run.
 
     python -m dsneuron.compiler.bench [--config tiny] [--work DIR] [--repeats 3] [--decode 16] [--json OUT]
+        [--prompts short,medium,long] [--no-doubled] [--no-eager] [--batch-sizes 1,2,4,8]
 
 Measures, on this host and in this order, each in a child process (so one measurement's memory and
 caches do not count in another's):
@@ -16,7 +17,15 @@ caches do not count in another's):
 4. sizes: bundle, its weights file, the checkpoint; and the decode roofline: the checkpoint-format
    bytes one decode token must read (`decode_bytes`: the head, every layer's dense weights, the
    routed experts a token uses and the shared one, the engram rows it looks up, one embedding row)
-   over the measured bandwidth, next to the measured time per token.
+   over the measured bandwidth, next to the measured time per token;
+5. per stage kind (the staged executables, graphs/stages.py), one more run of the longest prompt
+   and its decode steps timed stage by stage: the prefill's time per kind, and per decode token
+   each kind's time beside the bytes its executables read (`stage_read_bytes`) and their roofline;
+6. the longest prefill's effective GFLOP/s (compiler/plan.py `count_flops`) beside the host's bf16
+   GEMM rate, torch.mm at the prefill's linear shapes (`gemm_shapes`, `mm_seconds`), and the fp32
+   FMA peak (kernels_nki/cpu_bench.py), measured in the same child;
+7. the decode step alone at each of --batch-sizes (a second bundle with those batch buckets,
+   compiled from the warm cache, not timed; compiler/bench_serve.py `decode_step_times`).
 Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for sizes. Both
 run children use torch's default thread count, printed with the figures. Absolute times on a
 shared machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
@@ -339,7 +348,8 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
             "compile_doubled_cold_s": cold2["seconds"] if cold2 else None,
             "compiled": compiled, "eager": eager_r, "decode_bytes": decode_bytes(checkpoint, model_cfg.to_dict()),
             "prefill_flops": {long: flops}, "decode_step_s": batches,
-            "bundle_bytes": _dir_bytes(work / "bundle"), "weights_bytes": sum(f.stat().st_size for f in (work / "bundle").glob("weights*.safetensors")),
+            "bundle_bytes": _dir_bytes(work / "bundle"),
+            "weights_bytes": sum(f.stat().st_size for f in (work / "bundle").glob("weights*.safetensors")),
             "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
 
 

@@ -588,7 +588,7 @@ def test_existing_out_is_an_error_and_untouched(micro_cfg, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(micro_cfg, tmp_path, monkeypatch):
-    real = safetensors.torch.save_file
+    real = ck._save_shard
     calls = []
 
     def failing(*args, **kwargs):
@@ -597,7 +597,7 @@ def test_interrupted_write_leaves_nothing(micro_cfg, tmp_path, monkeypatch):
             raise KeyboardInterrupt  # e.g. Ctrl-C half-way
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing)
+    monkeypatch.setattr(ck, "_save_shard", failing)
     with pytest.raises(KeyboardInterrupt):
         make_checkpoint(micro_cfg, tmp_path / "half", seed=0)
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
@@ -648,9 +648,9 @@ def test_make_checkpoint_on_a_full_disk_exits_2_and_leaves_nothing(tmp_path, mon
     assert code == 2 and "not enough disk space for the checkpoint" in err and "1.0 MiB free" in err
     monkeypatch.setattr(shutil, "disk_usage", real)
 
-    def full(tensors, path, metadata=None):
+    def full(tensors, path):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(ck.safetensors.torch, "save_file", full)
+    monkeypatch.setattr(ck, "_save_shard", full)
     code, _, err = _cli(monkeypatch, "make-checkpoint", "--config", "micro", "--out", str(tmp_path / "ck"))
     assert code == 2 and "disk full while writing checkpoint shard model-00001-of-" in err
     assert not (tmp_path / "ck").exists() and [p.name for p in tmp_path.iterdir()] == []
