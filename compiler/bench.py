@@ -223,11 +223,12 @@ def _measure_bundle(args: dict) -> dict:
     # the per-stage tables: one more run of the longest prompt and its decode steps, timed by stage
     timers = session.stage_timers()
     timed = session.teacher_forced(long + args["decode_ids"], len(long))
+    buckets = {(b.kind, b.batch, b.length): b for b in session.manifest.buckets}
     stages = {}
     for (kind, batch, length), seconds in timers.items():
         if not seconds:
             continue
-        bucket = session.manifest.buckets[[(b.kind, b.batch, b.length) for b in session.manifest.buckets].index((kind, batch, length))]
+        bucket = buckets[(kind, batch, length)]
         per = len(timed) - 1 if kind == "decode" else 1
         nbytes = stage_read_bytes(bucket, session.weights, args["model"]) if kind == "decode" else None
         stages[kind] = {"bucket": f"{kind} b{batch} s{length}", "rows": by_stage_kind(bucket, seconds, per, nbytes),
