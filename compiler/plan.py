@@ -75,7 +75,7 @@ Parallel plan (the one rule, `placement`; the sharding work is to reuse it):
 
 Instances (`INSTANCES`, per rank = per logical NeuronCore): trn2 chip 96 GiB HBM, 2.9 TB/s, 8
 NeuronCore-v3 (aws-neuron-sdk about-neuron/arch/neuron-hardware/trainium2.rst; HBM per chip also
-in reference/neuron_toolchain.md 1.4), trn2.48xlarge = 16 chips, 1536 GiB, 46.4 TB/s
+in docs/planning.md "Instances"), trn2.48xlarge = 16 chips, 1536 GiB, 46.4 TB/s
 (trn2-arch.rst); trn2.3xlarge = one trn2 chip (AWS EC2 instance-type page; not in the Neuron
 docs); trn1 chip 32 GiB, 820 GB/s, 2 NeuronCore-v2; trn1.32xlarge = 16 chips, trn1.2xlarge = 1
 (trn1-arch.rst). The cpu target is this host: one rank, its physical memory, and its read bandwidth

@@ -2,7 +2,7 @@
 
 TorchNeuron (torch-neuronx 2.13+, Neuron SDK 2.33+) and vLLM Neuron's default route compile
 Dynamo FX -> torch-mlir -> StableHLO -> neuronx-cc; the SDK ended torch-xla inference on
-Trn2/Trn3 with 2.34 (reference/neuron_toolchain.md section 8). dsneuron takes the same front end
+Trn2/Trn3 with 2.34 (docs/neuron.md). dsneuron takes the same front end
 ahead of time, from its own torch 2.13: `lower_program` imports a bucket's ExportedProgram
 (compiler/export.py, the neuron lowering and spelling: no float8, no float64) with torch-mlir's
 FxImporter and lowers it with torch-mlir's StableHLO pipeline. What it does beyond the library:

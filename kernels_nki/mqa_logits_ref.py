@@ -3,12 +3,12 @@
 score[s, t] = sum_h relu(q[s, h] . k[t]) * w[s, h]. `mqa_logits_bf16` reproduces the V4.1 model's
 eager expression (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py Indexer.forward) bit for bit.
 `mqa_logits` and `mqa_logits_sparse` take quantized operands and follow the DeepGEMM indexer
-(reference/kernel_numerics.md Part B) with the output conventions of the seed MQA-logits module
-(seeds/003, module docstring): ks-relative dense columns, block-mapped sparse columns, -inf outside
+(docs/numerics.md "Kernel tests: edge cases and tolerances") with the output conventions of DeepGEMM's MQA-logits API
+(csrc/apis/attention.hpp): ks-relative dense columns, block-mapped sparse columns, -inf outside
 the row's range, bf16 rows on 512-byte boundaries.
 
 `paged_mqa_logits_ref` and `paged_mqa_logits_sparse_ref` score the same keys read through a block
-table from a paged cache (seeds/003, paged section; DeepGEMM tests/test_attention.py
+table from a paged cache (DeepGEMM csrc/apis/attention.hpp, paged section; DeepGEMM tests/test_attention.py
 ref_fp8_paged_mqa_logits): one row per query token of each sequence, one column per context
 position. They are references only; the runtime keeps no paged cache yet, so no op calls them.
 """
@@ -367,7 +367,7 @@ def _gather_pages(op: str, kv_cache: torch.Tensor, width: int, block_table: torc
     scales uint8 [U*page, D/32], start int64 [B]: the row of sequence b's position 0).
 
     Page p holds the bytes kv_cache[p] in row-major order: page_size * width data bytes (token-major),
-    then page_size * D/32 scale bytes (seeds/003, paged KV helpers). Only table slots below
+    then page_size * D/32 scale bytes (DeepGEMM csrc/apis/attention.hpp, paged KV helpers). Only table slots below
     ceil(max_n end[b, n] / page_size) are read (DeepGEMM's contract: slots past the context may hold
     anything), and those must name a page of the cache.
     """
@@ -438,7 +438,7 @@ def paged_mqa_logits_ref(q: torch.Tensor, q_sf: torch.Tensor, kv_cache: torch.Te
             context that names no page of the cache; on max_context_len < 0.
 
     Sources: deepseek-ai/DeepGEMM:tests/test_attention.py (ref_fp8_paged_mqa_logits, the mask of
-    test_paged_mqa_logits) and seeds/003 (fp8_fp4_paged_mqa_logits).
+    test_paged_mqa_logits) and DeepGEMM csrc/apis/attention.hpp (fp8_fp4_paged_mqa_logits).
     """
     op = "paged_mqa_logits"
     check_paged_operands(op, q, q_sf, kv_cache, weights, context_lens, block_table)
@@ -467,7 +467,7 @@ def paged_mqa_logits_sparse_ref(q: torch.Tensor, q_sf: torch.Tensor, kv_cache: t
     Raises:
         ValueError: as `paged_mqa_logits_ref`, and on a block size or block_idx shape outside the contract.
 
-    Source: seeds/003 (fp8_fp4_paged_sparse_mqa_logits), on the paged layout of `paged_mqa_logits_ref`.
+    Source: DeepGEMM csrc/apis/attention.hpp (fp8_fp4_paged_sparse_mqa_logits), on the paged layout of `paged_mqa_logits_ref`.
     """
     op = "paged_mqa_logits_sparse"
     check_paged_operands(op, q, q_sf, kv_cache, weights, context_lens, block_table)

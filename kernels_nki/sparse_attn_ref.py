@@ -1,8 +1,8 @@
 """Torch reference of `dsneuron::sparse_attn`: attention over gathered KV rows, 64-key online softmax.
 
 Follows the V4.1 `sparse_attn` kernel (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py
-Attention.forward calls it; its CPU kernel is summarised in reference/deepseek_v4_arch.md section 2)
-and the FlashMLA sm90 sparse-decode pipeline it mirrors (reference/kernel_numerics.md A.3, A.8).
+Attention.forward calls it; its CPU kernel is summarised in docs/numerics.md "The forward pass")
+and the FlashMLA sm90 sparse-decode pipeline it mirrors (docs/numerics.md "Kernel tests: edge cases and tolerances").
 
 Dot products: q . k over D and P @ V over each 64-key block are float64 GEMMs rounded once to fp32.
 Both operands are bf16 values, so every product is exact (16 significant bits) and the float64 sum
@@ -25,7 +25,7 @@ import torch
 from dsneuron.kernels_nki.formats import SPELLING
 
 #: Keys per online-softmax step, in index order: the V4.1 kernel's block, and FlashMLA's sm90
-#: sparse-decode TOPK_BLOCK_SIZE (kernel_numerics.md A.3).
+#: sparse-decode TOPK_BLOCK_SIZE (docs/numerics.md "Kernel tests: edge cases and tolerances").
 BLOCK_KEYS = 64
 
 #: Running-max start. Finite, so a block with no valid key rescales by exp(0) = 1 instead of

@@ -174,7 +174,7 @@ def sparse_attn_oracle(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, id
 
 def sparse_attn_online_f32(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                            scale: float, block: int = 64) -> np.ndarray:
-    """The kernel's rounding points in NumPy float32 (kernel_numerics.md A.8, natural exp): 64-key
+    """The kernel's rounding points in NumPy float32 (docs/numerics.md "Kernel tests: edge cases and tolerances", natural exp): 64-key
     blocks in index order, running max from -1e30, bf16 P into PV, fp32 unrounded P into l, sink in
     the denominator only, bf16 output. Returns float32 [B,S,H,D] holding bf16 values."""
     f32 = np.float32

@@ -3,7 +3,7 @@
 The micro checkpoint of the session fixture is written once; tests that damage a checkpoint work on
 a folder of symlinks to it plus rewritten copies of the files they change. Oracles: float64 +
 ml_dtypes quantization of the drawn values, trial division for the engram primes, the HF key table
-of reference/deepseek_v4_arch.md section 1.2.
+of docs/architecture.md "Tokenizer and configs".
 """
 
 from __future__ import annotations

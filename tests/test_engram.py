@@ -24,7 +24,7 @@ from dsneuron.graphs.engram import (EngramParams, _layout, compressed_token_map,
 from dsneuron.graphs.tokenizer import TokenizerError, load_tokenizer, tokenizer_files
 from dsneuron.runtime_min.engram_hash import NgramHasher
 
-# DeepSeek-V4.1-Flash release config (reference/deepseek_v4_arch.md section 1.2)
+# DeepSeek-V4.1-Flash release config (docs/architecture.md "Tokenizer and configs")
 V41_ENGRAM = dict(layer_ids=(1, 14), max_ngram=4, n_heads=8, head_dim=256, vocab=16_000_000)
 V41_NUM_EMBEDDINGS = (384006168, 384016682)
 V41_COMPRESSED_VOCAB = 99092

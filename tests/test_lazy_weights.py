@@ -45,7 +45,7 @@ HAS_PROC_IO = Path("/proc/self/io").is_file()
 
 
 def v41_flash(**changes) -> ModelConfig:
-    """The V4.1-Flash model config, from reference/deepseek_v4_arch.md section 1.2 (HF text_config
+    """The V4.1-Flash model config, from docs/architecture.md "Tokenizer and configs" (HF text_config
     and inference/config.json of revision dba1be0a / df42c109), with `changes` applied."""
     raw = dict(
         vocab_size=129280, dim=5120, n_layers=40, n_mtp_layers=3, n_heads=64, head_dim=512, rope_head_dim=64,

@@ -1,5 +1,5 @@
 """dsneuron::mqa_logits_bf16 / mqa_logits / mqa_logits_sparse against float64 oracles, with the
-kernel_numerics.md Part C edge cases B1-B4 and B7-B10 (B4's compressed columns are this op's dense
+docs/numerics.md "Kernel tests: edge cases and tolerances" edge cases B1-B4 and B7-B10 (B4's compressed columns are this op's dense
 layout). Not here: B5-B6 (paged cache, next_n rules: tests/test_mqa_logits_paged.py), B11 (the sm100
 bf16 reduce is not a dsneuron op), B12 (Hadamard, V3.2/V4 only)."""
 
@@ -31,7 +31,7 @@ from oracles import (
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 
-# DeepGEMM kernel vs the simulated reference on dequantised operands, bf16 logits (kernel_numerics.md B.6).
+# DeepGEMM kernel vs the simulated reference on dequantised operands, bf16 logits (docs/numerics.md "Kernel tests: edge cases and tolerances").
 SIM_DIFF_BF16 = 3e-5
 
 

@@ -1,7 +1,7 @@
 """Paged MQA logits: `paged_mqa_logits_ref` / `paged_mqa_logits_sparse_ref` (kernels_nki/mqa_logits_ref.py) and
 the NKI kernels `paged_mqa_logits_kernel` / `paged_mqa_logits_sparse_kernel` (on the NumPy stand-in) against a
 float64 oracle that reads the pages itself, and against the contiguous reference and kernel on the same keys.
-kernel_numerics.md Part C B5 (partial last page, context 1, empty rows) and B6 (next_n = 2 with DeepGEMM's 1-D
+docs/numerics.md "Kernel tests: edge cases and tolerances" (partial last page, context 1, empty rows) and B6 (next_n = 2 with DeepGEMM's 1-D
 causal rule), plus the block-table contract: slots past a context are never read (deepseek-ai/DeepGEMM
 tests/test_attention.py builds its tables with zeros there; here they hold hostile ids)."""
 

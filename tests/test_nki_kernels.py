@@ -2,7 +2,7 @@
 the float64 oracles, run in the NumPy stand-in and, where the real `nki` (>= 0.3) is importable, in its
 CPU simulator (`nki.simulate`, the same path as NKI_SIMULATOR=1).
 
-Tolerances: the reference tests' own (kernel_numerics.md A.6 / B.6). Bitwise checks only where the
+Tolerances: the reference tests' own (docs/numerics.md "Kernel tests: edge cases and tolerances" / B.6). Bitwise checks only where the
 contract fixes every rounding: empty rows, the FP8/FP4/UE8M0 decode, sums of exactly representable
 values, and dense vs sparse logits of one key (same instruction sequence per column).
 Sweeps at tile edges: query rows 127/128/129, keys and columns 511/512/513, top-k 64/128/576.

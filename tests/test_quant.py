@@ -1,7 +1,7 @@
 """Tests of graphs/quant.py: FP8 e4m3fn, FP4 e2m1, UE8M0 quantizers, weight codecs, block-scaled GEMM.
 
 Expected values come from two independent sources. Hand-computed tables cover the edge cases of
-reference/kernel_numerics.md Part C (B.7, B.8) and issue 2: ties, saturation, -0, UE8M0 at and one
+docs/numerics.md "Kernel tests: edge cases and tolerances" (B.7, B.8) and issue 2: ties, saturation, -0, UE8M0 at and one
 ulp above a power of two, amax = 0, subnormals. Oracles built from numpy, math.frexp and
 ml_dtypes (RNE casts) check the rest. Every hand value carries its derivation in a comment.
 """
@@ -426,7 +426,7 @@ def test_fp4_quantize_matches_oracle(data, mode):
 
 
 def test_fp4_quantize_rtz_deepgemm_table():
-    """kernel_numerics.md Part C B.8: DeepGEMM rounds ties toward zero, and -0 is 0x0."""
+    """docs/numerics.md "Kernel tests: edge cases and tolerances" B.8: DeepGEMM rounds ties toward zero, and -0 is 0x0."""
     x = torch.zeros(2, 32)
     x[0, :14] = torch.tensor([6.0, 0.75, 1.75, 3.5, 2.5, 5.0, 0.25, 1.25, -0.0, -0.1, -0.75, up(0.75), 4.0, -6.0])
     x[1, :2] = torch.tensor([7.0, 3.0])           # amax 7 -> 7/6 -> s = 2; 3.5 -> 3 (code 5); 1.5 -> 3

@@ -1,4 +1,4 @@
-"""dsneuron::sparse_attn against float64 and float32-online oracles, with the kernel_numerics.md Part C
+"""dsneuron::sparse_attn against float64 and float32-online oracles, with the docs/numerics.md "Kernel tests: edge cases and tolerances"
 edge cases A1-A4 and A6-A9 (A5 topk_length, A10-A12 FP8 paging and split-KV are not part of this op)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from oracles import assert_close, f64, sparse_attn_online_f32, sparse_attn_oracl
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 
-# FlashMLA sparse prefill at HEAD, output vs the fp32 reference (kernel_numerics.md A.6).
+# FlashMLA sparse prefill at HEAD, output vs the fp32 reference (docs/numerics.md "Kernel tests: edge cases and tolerances").
 ABS_TOL, REL_TOL, COS_TOL = 8e-4, 3.01 / 128, 7e-6
 
 
