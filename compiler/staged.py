@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,12 +169,13 @@ _TASK: Callable[[int], Any] | None = None
 def run_forked(total: int, task: Callable[[int], Any], workers: int, progress: Callable[[int, int], None],
                order: list[int] | None = None) -> list[Any]:
     """[task(0), ..., task(total - 1)], made by `workers` forked processes (in this process with
-    one worker or one task), started in `order` (default ascending); calls progress(done, total)
+    one worker or one task, or once a threaded runtime is up: `threaded_runtimes`), started in
+    `order` (default ascending); calls progress(done, total)
     as they finish. Forked, not spawned: the workers inherit everything in memory, the model
     included, and run torch single-threaded (`_worker_init`). Raises what a task raises, after
     stopping the other workers."""
     global _TASK
-    if workers <= 1 or total <= 1:
+    if workers <= 1 or total <= 1 or threaded_runtimes():
         results = []
         for i in range(total):
             results.append(task(i))
@@ -199,6 +201,22 @@ def run_forked(total: int, task: Callable[[int], Any], workers: int, progress: C
         _TASK = None
     pool.shutdown()
     return results
+
+
+def threaded_runtimes() -> list[str]:
+    """The runtimes of this process that own threads a fork would copy in an unknown state: JAX
+    once its XLA client is up (runtime_min/executor_stablehlo.py starts it), whose own warning says
+    a fork then "will likely lead to a deadlock". torch's OpenMP pool is not one of them: the
+    workers never enter it (`_worker_init`)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return []
+    try:
+        from jax._src import xla_bridge  # no public query for "a backend is initialised"
+        up = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        up = True  # a jax without that query: assume its threads run
+    return ["jax"] if up else []
 
 
 def _run_task(i: int) -> Any:

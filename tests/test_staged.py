@@ -73,3 +73,33 @@ def test_cpu_warm_up_leaves_the_isa_answer_in_this_process():
     valid_vec_isa_list.cache_clear()
     backend_cpu.warm_up().join()
     assert valid_vec_isa_list.cache_info().currsize == 1
+
+
+def _pid(_: int) -> int:
+    import os
+    return os.getpid()
+
+
+def test_workers_are_forked_until_jax_is_up_then_tasks_run_here():
+    """No fork after a threaded runtime is up (JAX warns a fork then "will likely lead to a
+    deadlock"): before jax's XLA client starts the tasks run in forked workers (other pids), after
+    it in this process. The check runs in a fresh interpreter, so this test's process state (jax
+    imported or not by earlier tests) does not decide it."""
+    import subprocess
+    import sys
+
+    code = ("import os, jax.numpy as jnp\n"
+            "from dsneuron.compiler import staged\n"
+            "from tests.test_staged import _pid\n"
+            "before = staged.run_forked(2, _pid, 2, lambda d, t: None)\n"
+            "assert staged.threaded_runtimes() == [], staged.threaded_runtimes()\n"
+            "jnp.ones(2).block_until_ready()\n"
+            "assert staged.threaded_runtimes() == ['jax']\n"
+            "after = staged.run_forked(2, _pid, 2, lambda d, t: None)\n"
+            "print(os.getpid() in before, after == [os.getpid()] * 2)\n")
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+    assert "fork" not in out.stderr
