@@ -90,7 +90,7 @@ def inspect_checkpoint_cmd(
     stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="also run the model and report numeric health"),
 ) -> None:
     """Validate a checkpoint and print its tensor families, dtypes, shapes and bytes."""
-    from dsneuron.graphs.checkpoint import inspect_checkpoint
+    from dsneuron.graphs.checkpoint_report import inspect_checkpoint
 
     inspect_checkpoint(path, stats=stats, console=console)
 

@@ -1,4 +1,5 @@
-"""V4.1-Flash checkpoints in the HF release layout: deterministic random writer, strict loader, report.
+"""V4.1-Flash checkpoints in the HF release layout: deterministic random writer, strict loader
+(the report of `inspect-checkpoint` is graphs/checkpoint_report.py).
 
 Layout (what `make_checkpoint` writes, what `load_checkpoint` reads), as the official inference code
 loads it (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py, convert.py; tensor list from
@@ -56,14 +57,12 @@ of these constants is the job of `model_health_stats`, the hook `inspect-checkpo
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import mmap
 import os
-import re
 import shutil
 import time
 import uuid
@@ -75,17 +74,16 @@ from typing import Any, Iterator
 import safetensors
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from dsneuron import UserError
 from dsneuron.disk import check_free, disk_full_is_an_error
-from dsneuron.kernels_nki.formats import float_to_ue8m0, ue8m0_to_float
+from dsneuron.kernels_nki.formats import float_to_ue8m0
 
 from . import safetensors_format as sf
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
 from .lazy import CHUNK_BYTES, tensor_chunks
-from .quant import act_quant, dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
+from .quant import act_quant, quantize_fp4_weight, quantize_fp8_weight
 from .spec import TensorSpec, checkpoint_spec
 from .tokenizer import tokenizer_files
 
@@ -276,7 +274,7 @@ def _shard_plan(spec: dict[str, TensorSpec], shard_bytes: int) -> list[list[str]
     for name, s in spec.items():
         if s.kind == "scale":
             continue
-        nbytes = _nbytes(s) + (_nbytes(spec[scale_name(name)]) if s.kind != "plain" else 0)
+        nbytes = tensor_nbytes(s) + (tensor_nbytes(spec[scale_name(name)]) if s.kind != "plain" else 0)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -290,7 +288,8 @@ def scale_name(weight_name: str) -> str:
     return weight_name.removesuffix(".weight") + ".scale"
 
 
-def _nbytes(s: TensorSpec) -> int:
+def tensor_nbytes(s: TensorSpec) -> int:
+    """Bytes of tensor `s` as stored in a shard."""
     return math.prod(s.shape) * _ITEMSIZE[s.dtype]
 
 
@@ -432,7 +431,7 @@ def make_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0, force: bool = Fa
                "engram_compressed_vocab_size": params.compressed_vocab_size}
     plan = _shard_plan(spec, shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    need = sum(_nbytes(s) for s in spec.values())
+    need = sum(tensor_nbytes(s) for s in spec.values())
     check_free(out.parent, need, "the checkpoint")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -787,116 +786,3 @@ def map_checkpoint(path: Path, cfg: ModelConfig, engram_num_embeddings: tuple[in
             warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
             tensors[name] = torch.frombuffer(maps[shard], dtype=dtype, count=numel, offset=offset).view(entry.shape)
     return MappedCheckpoint(tensors, regions)
-
-
-# ============================================================================== reporting
-def tensor_family(name: str) -> str:
-    """Name with every layer / expert / stage number replaced by `*` (layers.3.ffn.experts.7.w1.weight
-    -> layers.*.ffn.experts.*.w1.weight)."""
-    return re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", name)
-
-
-def _dequantized(spec: dict[str, TensorSpec], name: str, t: torch.Tensor, scale: torch.Tensor | None,
-                 block: int) -> torch.Tensor:
-    kind = spec[name].kind
-    if kind == "fp8":
-        return dequant_fp8_weight(t, scale, block)
-    if kind == "fp4":
-        return dequant_fp4_weight(t, scale)
-    if kind == "fp8row":
-        return (t.float().unflatten(-1, (-1, block)) * ue8m0_to_float(scale)[..., None]).flatten(-2)
-    return t.float()
-
-
-def checkpoint_weight_stats(path: Path) -> dict[str, dict[str, float]]:
-    """Per tensor family: {"count", "mean", "std", "amax"} of the dequantised weights.
-
-    Scale tensors are folded into their weights, not reported. Reads one tensor at a time.
-    Raises CheckpointError as `read_checkpoint_config` / `validate_checkpoint`.
-    """
-    path = Path(path)
-    cfg = read_checkpoint_config(path)
-    rows = engram_layout(cfg).num_embeddings
-    spec = checkpoint_spec(cfg, rows)
-    where = validate_checkpoint(path, cfg, rows)
-    acc: dict[str, list[float]] = {}
-    with contextlib.ExitStack() as stack:
-        handles = {sh: stack.enter_context(safetensors.safe_open(str(path / sh), "pt")) for sh in set(where.values())}
-        for name, s in spec.items():
-            if s.kind == "scale":
-                continue
-            t = handles[where[name]].get_tensor(name)
-            scale = None
-            if s.kind != "plain":
-                sname = scale_name(name)
-                scale = handles[where[sname]].get_tensor(sname)
-            w = _dequantized(spec, name, t, scale, cfg.fp8_block_size)
-            a = acc.setdefault(tensor_family(name), [0.0, 0.0, 0.0, 0.0])
-            # per-tensor sums in fp32 (torch's cascade summation), families summed in Python floats
-            a[0] += w.numel()
-            a[1] += float(w.sum())
-            a[2] += float(w.square().sum())
-            a[3] = max(a[3], float(w.abs().max()) if w.numel() else 0.0)
-    stats = {}
-    for fam, (n, s1, s2, amax) in acc.items():
-        mean = s1 / n
-        stats[fam] = {"count": n, "mean": mean, "std": math.sqrt(max(s2 / n - mean * mean, 0.0)), "amax": amax}
-    return stats
-
-
-def model_health_stats(path: Path) -> dict[str, Any]:
-    """Model-based health figures of a checkpoint, shown by `inspect-checkpoint --stats`: residual
-    RMS per layer, SwiGLU clamp rate, tokens per expert, logits std, non-finite logits (one
-    172-token prefill of the eager golden model; see `dsneuron.graphs.golden.health_stats`)."""
-    from .golden import Golden, health_stats  # golden imports this module
-
-    cfg = read_checkpoint_config(path)
-    return health_stats(Golden(cfg, path, max_seq_len=256))
-
-
-def inspect_checkpoint(path: Path, stats: bool = False, console: Console | None = None) -> None:
-    """Validate a checkpoint folder and print its tensor families (dtype, shapes, count, bytes, totals).
-
-    stats: also print `checkpoint_weight_stats` and `model_health_stats`.
-    Raises CheckpointError (every problem at once) when the folder does not match its own config.
-    """
-    path = Path(path)
-    console = console or Console()
-    cfg = read_checkpoint_config(path)
-    rows = engram_layout(cfg).num_embeddings
-    spec = checkpoint_spec(cfg, rows)
-    where = validate_checkpoint(path, cfg, rows)
-    fams: dict[tuple[str, str], list[Any]] = {}
-    for name, s in spec.items():
-        f = fams.setdefault((tensor_family(name), s.dtype), [[], 0, 0])
-        if s.shape not in f[0]:
-            f[0].append(s.shape)
-        f[1] += 1
-        f[2] += _nbytes(s)
-    table = Table(title=f"{path}  ({len(set(where.values()))} shards)")
-    for col, justify in (("family", "left"), ("dtype", "left"), ("shape", "left"), ("count", "right"), ("MiB", "right")):
-        table.add_column(col, justify=justify)
-    for (fam, dtype), (shapes, count, nbytes) in fams.items():
-        shape_txt = ", ".join(str(list(sh)) for sh in shapes[:3]) + (", ..." if len(shapes) > 3 else "")
-        table.add_row(fam, dtype, shape_txt, str(count), f"{nbytes / 2**20:.2f}")
-    total = sum(f[2] for f in fams.values())
-    table.add_section()
-    table.add_row("total", "", "", str(len(spec)), f"{total / 2**20:.2f}")
-    console.print(table)
-    console.print(f"total {total:,} bytes in {len(spec)} tensors; config: dim {cfg.dim}, {cfg.n_layers} layers "
-                  f"+ {cfg.n_mtp_layers} DSpark stages, vocab {cfg.vocab_size}, engram rows {list(rows)}")
-    if not stats:
-        return
-    st = Table(title="dequantised weights per family")
-    for col in ("family", "count", "mean", "std", "amax"):
-        st.add_column(col, justify="left" if col == "family" else "right")
-    for fam, v in checkpoint_weight_stats(path).items():
-        st.add_row(fam, f"{int(v['count']):,}", f"{v['mean']:+.4f}", f"{v['std']:.4f}", f"{v['amax']:.4f}")
-    console.print(st)
-    console.print("model statistics (eager golden, one prefill):")
-    health = model_health_stats(path)
-    for key, value in health.items():
-        console.print(f"  {key}: {value}", highlight=False, soft_wrap=True)
-    if health["nonfinite_logits"]:
-        raise CheckpointError(f"{path}: the model gives {health['nonfinite_logits']} non-finite logits "
-                              "(NaN/inf in the weights); the limit is 0")

@@ -27,10 +27,12 @@ from rich.console import Console
 
 from dsneuron import UserError
 from dsneuron.graphs import checkpoint as ck
-from dsneuron.graphs.checkpoint import (CheckpointError, checkpoint_weight_stats, draw_tensor, inspect_checkpoint,
-                                        load_checkpoint, make_checkpoint, read_checkpoint_config, tensor_family,
+from dsneuron.graphs.checkpoint_report import checkpoint_weight_stats, inspect_checkpoint, tensor_family
+from dsneuron.graphs.checkpoint import (CheckpointError, draw_tensor,
+                                        load_checkpoint, make_checkpoint, read_checkpoint_config,
                                         validate_checkpoint)
 from dsneuron.graphs.engram import engram_layout
+from dsneuron.kernels_nki.formats import ue8m0_to_float
 from dsneuron.graphs.spec import checkpoint_spec
 
 INDEX = "model.safetensors.index.json"
@@ -179,7 +181,7 @@ def test_round_trip_equals_independent_quantization(micro_checkpoint, micro_cfg)
     n, k = w.shape
     amax = np.abs(w).reshape(n // 32, 32, k // 32, 32).max(axis=(1, 3))
     scale = _pow2_ceil(np.maximum(amax, 1e-4).astype(np.float32) * np.float32(1 / 448))
-    got_scale = ck.ue8m0_to_float(ckpt["layers.2.attn.wq_b.scale"]).double().numpy()
+    got_scale = ue8m0_to_float(ckpt["layers.2.attn.wq_b.scale"]).double().numpy()
     np.testing.assert_array_equal(got_scale, scale)
     q = (w / np.kron(scale, np.ones((32, 32)))).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(ckpt[name].view(torch.uint8).numpy(), q.view(np.uint8))
@@ -189,7 +191,7 @@ def test_round_trip_equals_independent_quantization(micro_checkpoint, micro_cfg)
     w = draw_tensor(spec[name], micro_cfg, 0).double().numpy()
     amax = np.abs(w).reshape(w.shape[0], -1, 32).max(axis=-1)
     scale = _pow2_ceil(amax.astype(np.float32) * np.float32(1 / 6))
-    np.testing.assert_array_equal(ck.ue8m0_to_float(ckpt["layers.1.ffn.experts.3.w1.scale"]).double().numpy(), scale)
+    np.testing.assert_array_equal(ue8m0_to_float(ckpt["layers.1.ffn.experts.3.w1.scale"]).double().numpy(), scale)
     v = (w / np.repeat(scale, 32, axis=1)).astype(np.float32).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
     packed = ckpt[name].view(torch.uint8).numpy().astype(np.int64)
     table = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -201,7 +203,7 @@ def test_round_trip_equals_independent_quantization(micro_checkpoint, micro_cfg)
     w = draw_tensor(spec[name], micro_cfg, 0).double().numpy()
     amax = np.abs(w).reshape(w.shape[0], -1, 32).max(axis=-1)
     scale = _pow2_ceil(np.maximum(amax, 1e-4).astype(np.float32) * np.float32(1 / 448))
-    np.testing.assert_array_equal(ck.ue8m0_to_float(ckpt["layers.0.engram.embed.scale"]).double().numpy(), scale)
+    np.testing.assert_array_equal(ue8m0_to_float(ckpt["layers.0.engram.embed.scale"]).double().numpy(), scale)
     q = (w / np.repeat(scale, 32, axis=1)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(ckpt[name].view(torch.uint8).numpy(), q.view(np.uint8))
 
