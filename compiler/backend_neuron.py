@@ -431,8 +431,13 @@ class NeuronBackend:
         flags = ["--stablehlo-only"] if self.stablehlo_only else list(self.flags.per_bucket[stem])
         return flags, self._key_toolchain
 
+    def lower(self, program: torch.export.ExportedProgram, stem: str):
+        """The bucket's StableHLO module (compiler/stablehlo.py `lower_program`), its NKI kernel
+        calls as this backend's kernel composites; raises as `lower_program`."""
+        return lower_program(program, self._kernel_ops, stem)
+
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
-        module = lower_program(program, self._kernel_ops, stem)
+        module = self.lower(program, stem)
         if not self.stablehlo_only:
             compile_neff(module, out, self.flags.per_bucket[stem], self.flags.lnc)
             return

@@ -167,7 +167,6 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
 
     from .backend_neuron import NeuronBackend
     from .compile import _export
-    from .stablehlo import lower_program
 
     backend = NeuronBackend(None, [], stablehlo_only=True)
     hasher = NgramHasher(parts.host_params["engram"]) if parts.host_params.get("engram") else None
@@ -179,7 +178,7 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     t1 = time.perf_counter()
     record, program = _export(parts, pb, backend)
     t2 = time.perf_counter()
-    module = lower_program(program, backend._kernel_ops, pb.label)
+    module = backend.lower(program, pb.label)
     artifact = module.artifact()
     t3 = time.perf_counter()
     weights = [parts.weights[n].view(getattr(torch, record["views"][n])) if n in record["views"] else parts.weights[n]
