@@ -68,7 +68,7 @@ from dsneuron.runtime_min.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
 from dsneuron.runtime_min.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
 from dsneuron.runtime_min.schema import BundleError
 
-from .cache import _is_number
+from .cache import is_number
 from .export import CompileError
 from .lower import KernelCalls
 from .stablehlo import (COMPOSITE_PREFIX, TARGET_VERSION, KernelOp, StableHlo, artifact_text, lower_program,
@@ -125,7 +125,7 @@ def canonical_args(tokens: Sequence[str], where: str) -> tuple[str, ...]:
 def _parse(tokens: Sequence[str], where: str) -> _Groups:
     groups: _Groups = []
     for tok in tokens:
-        if tok.startswith("-") and not _is_number(tok):
+        if tok.startswith("-") and not is_number(tok):
             name, eq, value = tok.partition("=")
             if len(name) > 2 and name.startswith("-O") and name[2:].isdigit():
                 name, eq, value = "-O", "=", name[2:]
