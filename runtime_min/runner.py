@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Generator, Protocol, Sequence
+from typing import Callable, Generator, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -51,9 +51,11 @@ from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 DATA_INPUTS = frozenset(n for names in schema.DATA_INPUTS.values() for n in names)
 
 
+@runtime_checkable
 class Executable(Protocol):
-    """One loaded bucket (executor_cpu.py, executor_neuron.py, executor_stablehlo.py): the weights
-    are bound at load; `run(inputs)` takes the data+state tensors of `bucket.inputs` in order and
+    """One loaded bucket, whatever runs it: CpuExecutable and StagedExecutable (executor_cpu.py; a
+    sharded bundle's ranks load these too), NeuronExecutable, StableHloExecutable. The weights are
+    bound at load; `run(inputs)` takes the data+state tensors of `bucket.inputs` in order and
     returns those of `bucket.outputs`, raising ValueError for an input of another shape or dtype."""
 
     bucket: Bucket

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stand_in
-from dsneuron.runtime_min.runner import Runner, State
+from dsneuron.runtime_min.runner import Executable, Runner, State
 
 A = [1, 104, 105]  # 3 tokens: decodes at position 3
 B = [1, 120, 121, 122, 123, 124]  # 6 tokens: decodes at position 6; both within capacity 8
@@ -83,6 +83,14 @@ def test_row_operations(runner):
     grown = runner.fit_rows(one, 2)
     for name, t in grown.tensors.items():
         assert torch.equal(t[1], torch.full_like(t[1], runner.fills[name].fill)), name
+
+
+def test_loaded_executables_are_executables(runner):
+    runner.prefill([A])
+    exe = runner.executable("prefill", 2, 8)
+    assert isinstance(exe, Executable) and exe.bucket is runner.bucket("prefill", 2, 8)
+    with pytest.raises(ValueError, match=r"no decode bucket of batch 2 and length 12; .* \[\(2, 8\), \(2, 16\)\]"):
+        runner.executable("decode", 2, 12)
 
 
 def test_a_prompt_within_a_prefill_bucket_is_one_call(runner):
