@@ -68,7 +68,7 @@ from dsneuron.runtime_min.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
 from dsneuron.runtime_min.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
 from dsneuron.runtime_min.schema import BundleError
 
-from .cache import _is_number
+from .cache import is_number
 from .export import CompileError
 from .lower import KernelCalls
 from .stablehlo import (COMPOSITE_PREFIX, TARGET_VERSION, KernelOp, StableHlo, artifact_text, lower_program,
@@ -125,7 +125,7 @@ def canonical_args(tokens: Sequence[str], where: str) -> tuple[str, ...]:
 def _parse(tokens: Sequence[str], where: str) -> _Groups:
     groups: _Groups = []
     for tok in tokens:
-        if tok.startswith("-") and not _is_number(tok):
+        if tok.startswith("-") and not is_number(tok):
             name, eq, value = tok.partition("=")
             if len(name) > 2 and name.startswith("-O") and name[2:].isdigit():
                 name, eq, value = "-O", "=", name[2:]
@@ -431,8 +431,13 @@ class NeuronBackend:
         flags = ["--stablehlo-only"] if self.stablehlo_only else list(self.flags.per_bucket[stem])
         return flags, self._key_toolchain
 
+    def lower(self, program: torch.export.ExportedProgram, stem: str):
+        """The bucket's StableHLO module (compiler/stablehlo.py `lower_program`), its NKI kernel
+        calls as this backend's kernel composites; raises as `lower_program`."""
+        return lower_program(program, self._kernel_ops, stem)
+
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
-        module = lower_program(program, self._kernel_ops, stem)
+        module = self.lower(program, stem)
         if not self.stablehlo_only:
             compile_neff(module, out, self.flags.per_bucket[stem], self.flags.lnc)
             return

@@ -221,7 +221,7 @@ def _measure_bundle(args: dict) -> dict:
     steps = session.teacher_forced(long + args["decode_ids"], len(long))
     rss = _peak_rss_bytes()  # before the bandwidth probe's 1 GiB
     # the per-stage tables: one more run of the longest prompt and its decode steps, timed by stage
-    timers = session.stage_timers()
+    timers = session.runner.stage_timers()
     timed = session.teacher_forced(long + args["decode_ids"], len(long))
     buckets = {(b.kind, b.batch, b.length): b for b in session.manifest.buckets}
     stages = {}
@@ -230,7 +230,7 @@ def _measure_bundle(args: dict) -> dict:
             continue
         bucket = buckets[(kind, batch, length)]
         per = len(timed) - 1 if kind == "decode" else 1
-        nbytes = stage_read_bytes(bucket, session.weights, args["model"]) if kind == "decode" else None
+        nbytes = stage_read_bytes(bucket, session.runner.weights, args["model"]) if kind == "decode" else None
         stages[kind] = {"bucket": f"{kind} b{batch} s{length}", "rows": by_stage_kind(bucket, seconds, per, nbytes),
                         "step_s": statistics.median(s.seconds for s in timed[1:]) if kind == "decode" else timed[0].seconds}
     mm_s, mm_flops = mm_seconds(gemm_shapes(args["model"], len(long)), args["repeats"])

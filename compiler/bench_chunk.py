@@ -7,8 +7,8 @@ With --config, first compiles the config's model with one prefill bucket of --pr
 token range on the cpu target) and one decode capacity --capacity (> --prefill, so the bundle gets
 a chunk bucket there: compiler/buckets.py `with_chunks`) into --work (its compile cache kept there).
 Then, on one random prompt of --length tokens (<= the prefill bucket, so that both fit): the
-one-shot prefill (runtime_min/session.py `Session.prefill`) and the chunked prefill with chunks of
---chunk tokens (`Session.chunked_prefill`: a prefill of the first chunk, then chunk buckets at the
+one-shot prefill (runtime_min/runner.py `Runner.prefill_job`) and the chunked prefill with chunks of
+--chunk tokens (`Runner.prefill_job(ids, chunk)`: a prefill of the first chunk, then chunk buckets at the
 smallest chunk capacity holding the prompt), alternated, each warmed once, --repeats times. Prints
 the medians, tokens/s, the ratio chunked / one-shot tokens/s, and how the two logits agree (cosine;
 the chunks have the numerics of decode steps, so they match the one-shot prefill within the golden
@@ -44,13 +44,14 @@ def measure(bundle: Path, length: int, chunk: int, repeats: int) -> dict:
     """The figures of the module docstring for a prompt of `length` tokens."""
     import torch
 
-    from dsneuron.runtime_min.session import Session
+    from dsneuron.runtime_min.runner import Runner
 
     from .compare import logit_metrics
 
-    s = Session.load(bundle)
-    ids = torch.randint(3, min(s.vocab_size, 128000), (length,), generator=torch.Generator().manual_seed(0)).tolist()
-    runs = {"one-shot": lambda: s.prefill(ids)[0], "chunked": lambda: s.chunked_prefill(ids, chunk)[0]}
+    r = Runner.load(bundle)
+    ids = torch.randint(3, min(r.vocab_size, 128000), (length,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = {"one-shot": lambda: r.prefill_job(ids).run().logits[0],
+            "chunked": lambda: r.prefill_job(ids, chunk).run().logits[0]}
     logits = {name: fn() for name, fn in runs.items()}  # warm: executables loaded
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):

@@ -141,20 +141,15 @@ def decode_step_times(bundle: Path, repeats: int = 5) -> dict[int, float]:
     """Item 5 of the module docstring: {batch: median seconds of one decode step}."""
     import torch
 
-    from dsneuron.runtime_min.session import Session
+    from dsneuron.runtime_min.runner import Runner
 
-    session = Session.load(bundle)
+    runner = Runner.load(bundle)
     out = {}
-    for batch in sorted({b.batch for b in session.manifest.buckets if b.kind == "decode"}):
-        feed = torch.full((batch, 1), session.manifest.tokenizer.pad_token_id + 2, dtype=torch.int64)
+    for batch in runner.decode_batches:
+        tokens = torch.full((batch,), runner.pad_token_id + 2, dtype=torch.int64)
         pos = torch.full((batch,), 16, dtype=torch.int64)
-        history = None if session.hasher is None else session.hasher.initial_history(batch)
-        times = []
-        for _ in range(repeats + 1):  # the first loads the executables
-            exe, args, _ = session._decode_call(feed, pos, history, {})
-            t0 = time.perf_counter()
-            exe.run(args)
-            times.append(time.perf_counter() - t0)
+        # the first loads the executables; Step.seconds is the executable call alone
+        times = [runner.decode(tokens, pos, runner.fresh_state(batch)).seconds for _ in range(repeats + 1)]
         out[batch] = statistics.median(times[1:])
     return out
 

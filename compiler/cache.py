@@ -79,7 +79,7 @@ def normalise_flags(flags: dict[str, Any] | str | list[str]) -> list[str]:
     tokens = shlex.split(flags) if isinstance(flags, str) else [t for f in flags for t in shlex.split(f)]
     groups: list[tuple[str, list[str]]] = []
     for tok in tokens:
-        if tok.startswith("-") and not _is_number(tok):
+        if tok.startswith("-") and not is_number(tok):
             name, eq, value = tok.partition("=")
             groups.append((name, [" ".join(value.split())] if eq else []))
         elif not groups:
@@ -90,7 +90,7 @@ def normalise_flags(flags: dict[str, Any] | str | list[str]) -> list[str]:
     return [shlex.join([name, *vals] if name else vals) for name, vals in sorted(groups, key=lambda g: g[0])]
 
 
-def _is_number(token: str) -> bool:
+def is_number(token: str) -> bool:
     """"-1" or "-0.5" is a value, not a flag."""
     try:
         float(token)

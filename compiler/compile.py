@@ -345,7 +345,7 @@ def _make_bucket(parts: ModelParts, pb: PlannedBucket, backend: Backend, cache: 
     front index entry) with "artifact" (the cached file) and "how" ("compiled" | "cached by graph").
     Runs in a forked worker (staged.run_forked) or in the compiling process."""
     key_flags, key_toolchain = backend.key_ingredients(stem)
-    record, program = _export(parts, pb, backend)
+    record, program = export_bucket(parts, pb, backend)
     record["graph_key"] = cache_key(normalised_graph(program), key_flags, key_toolchain, backend.target, backend.name)
     artifact = cache.get(record["graph_key"])
     how = "cached"
@@ -372,7 +372,7 @@ def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
     return max(2, math.lcm(*ratios or [1]))
 
 
-def _export(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
+def export_bucket(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
     """Export one bucket with the backend's lowering; returns (the bucket's manifest facts as plain
     data, the program). The facts are what the cache's front index stores."""
     graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \

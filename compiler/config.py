@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsneuron.graphs.config import INDEXER_MODES, ConfigError, ModelConfig, _coerce, check_keys
+from dsneuron.graphs.config import INDEXER_MODES, ConfigError, ModelConfig, check_keys, coerce
 
 PACKAGED = Path(__file__).parent / "configs"
 
@@ -61,7 +61,7 @@ class CompileConfig:
             elif name == "indexer":
                 values[name] = check_indexer(raw[name], f"{where}.indexer")
             else:
-                values[name] = _coerce(raw[name], f.type, f"{where}.{name}")
+                values[name] = coerce(raw[name], f.type, f"{where}.{name}")
         cfg = cls(**values)
         if cfg.max_seq_len <= 0:
             raise ConfigError(f"{where}.max_seq_len: must be > 0 (got {cfg.max_seq_len})")

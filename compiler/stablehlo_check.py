@@ -166,8 +166,7 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     from dsneuron.runtime_min.engram_hash import NgramHasher
 
     from .backend_neuron import NeuronBackend
-    from .compile import _export
-    from .stablehlo import lower_program
+    from .compile import export_bucket
 
     backend = NeuronBackend(None, [], stablehlo_only=True)
     hasher = NgramHasher(parts.host_params["engram"]) if parts.host_params.get("engram") else None
@@ -177,9 +176,9 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     inputs = bucket_inputs(parts.steps, hasher, cfg, pb, prefill_len, seed)
     eager = eager_outputs(graph.module, inputs)
     t1 = time.perf_counter()
-    record, program = _export(parts, pb, backend)
+    record, program = export_bucket(parts, pb, backend)
     t2 = time.perf_counter()
-    module = lower_program(program, backend._kernel_ops, pb.label)
+    module = backend.lower(program, pb.label)
     artifact = module.artifact()
     t3 = time.perf_counter()
     weights = [parts.weights[n].view(getattr(torch, record["views"][n])) if n in record["views"] else parts.weights[n]

@@ -113,7 +113,7 @@ class ModelConfig:
         for name, f in fields.items():
             if name not in raw:
                 continue
-            values[name] = _coerce(raw[name], f.type, f"{where}.{name}")
+            values[name] = coerce(raw[name], f.type, f"{where}.{name}")
         cfg = cls(**values)
         cfg.validate(where)
         return cfg
@@ -279,7 +279,7 @@ def check_keys(cls: type, raw: Any, where: str) -> dict[str, dataclasses.Field]:
     return fields
 
 
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
+def coerce(value: Any, annotation: Any, key: str) -> Any:
     """Type-check one JSON value against the dataclass annotation (a string under __future__)."""
     ann = str(annotation)
     if ann.startswith("tuple"):

@@ -95,7 +95,7 @@ def _check_arguments(loader: Any, what: str, n_weights: int, n_inputs: int) -> N
 
 
 class CpuExecutable:
-    """One loaded bucket. `run(inputs)` takes the data+state inputs of `bucket.inputs` (the weights
+    """One loaded bucket (a runtime_min/runner.py Executable). `run(inputs)` takes the data+state inputs of `bucket.inputs` (the weights
     are bound at construction) and returns the outputs of `bucket.outputs`. Construction raises
     BundleError when the archive holds more than a model (`check_archive`), the loader refuses it,
     or the model takes another number of arguments than the manifest's weights + inputs."""

@@ -101,7 +101,7 @@ class NeuronExecutor:
 
 
 class NeuronExecutable:
-    """One loaded bucket; `run(inputs)` as `CpuExecutable.run` (weights bound here, inputs = the
+    """One loaded bucket (a runtime_min/runner.py Executable); `run(inputs)` as `CpuExecutable.run` (weights bound here, inputs = the
     data+state tensors of `bucket.inputs`, returns the tensors of `bucket.outputs`).
 
     header: the NEFF's header, already verified (NeuronExecutor). Raises BundleError when

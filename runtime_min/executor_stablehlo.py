@@ -89,8 +89,8 @@ def compile_module(artifact: bytes, what: str) -> Any:
 
 
 class StableHloExecutable:
-    """One bucket's module compiled by XLA:CPU, with its weights placed once. Same interface as
-    executor_cpu.CpuExecutable: `run(inputs)` takes the tensors of `bucket.inputs` and returns
+    """One bucket's module compiled by XLA:CPU, with its weights placed once; a runtime_min/runner.py
+    Executable: `run(inputs)` takes the tensors of `bucket.inputs` and returns
     those of `bucket.outputs`. Construction raises BundleError without jax/jaxlib or when XLA
     refuses the module."""
 

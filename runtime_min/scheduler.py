@@ -1,14 +1,14 @@
 """Continuous batching over a bundle's batch buckets: the one decode loop of runtime_min.
 
-    scheduler = Scheduler(session, max_queue=64)
+    scheduler = Scheduler(session.runner, session.decode, max_queue=64)   # or session.scheduler(64)
     req = scheduler.submit(Request(session.encode("Hello"), max_tokens=32, listener=on_output))
     while scheduler.busy:
         scheduler.step()
 
 `Session.generate` runs its prompts through a Scheduler, and `dsneuron serve` runs one in an engine
-thread (runtime_min/server.py). No HTTP here; the split follows nano-vllm's engine (STYLE.md 6): a
-request carries its own tokens, limits and sampler, the scheduler keeps a bounded waiting queue and
-the rows of the batch buckets.
+thread (runtime_min/server.py). No HTTP here and no executable: the scheduler decides which rows
+run, the runner (runtime_min/runner.py) runs them. A request carries its own tokens, limits and
+sampler, the scheduler keeps a bounded waiting queue and the rows of the batch buckets.
 
 One step:
 1. requests cancelled since the last step end (finish_reason "abort"): a waiting one leaves the
@@ -17,13 +17,13 @@ One step:
    bucket bounds the rows): each runs a prefill of its own at the smallest batch bucket (batch 1
    where the bundle has it; other rows are filler), whose logits give its first token and whose
    state row 0 (and engram history row) is copied into the next row. A prompt past the largest
-   prefill bucket runs as a chunked prefill (Session.prefill_job) one chunk per step, holding a
+   prefill bucket runs as a chunked prefill (Runner.prefill_job) one chunk per step, holding a
    row meanwhile, so the running requests go on decoding between its chunks instead of waiting
    for the whole prompt; one such prompt at a time (the next one waits in the queue, the short
    ones behind it are admitted);
 3. one decode over the active rows at the smallest batch bucket holding them: rows 0..n-1, each
    feeding its last token at its own position (prompt + generated - 1), at the smallest context
-   capacity holding every row's position (Session._decode_call). A row is freed the moment its
+   capacity holding every row's position (Runner.decode). A row is freed the moment its
    request ends, and the last row moves into its place so the active rows stay at the front.
 
 Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
@@ -57,8 +57,9 @@ import torch
 from dsneuron import UserError
 
 from . import select
-from .sampling import check_params, check_seed, sample
 from .collectives import collective_seconds
+from .runner import PrefillJob, Runner, State
+from .sampling import check_params, check_seed, sample
 
 #: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
 MAX_STOP = 4
@@ -195,7 +196,7 @@ class Request:
         self._generator = torch.Generator()
         self._stream: TextStream | None = None
         self._pending = ""  # final text held back: it may be the start of a stop string
-        self._job = None  # its runtime_min/session.py PrefillJob while the prompt is prefilled
+        self._job: PrefillJob | None = None  # while the prompt is prefilled
 
     @property
     def finished(self) -> bool:
@@ -224,37 +225,38 @@ class Request:
 
 
 class Scheduler:
-    """Continuous batching of `Request`s over a loaded runtime_min/session.py Session (module
-    docstring; not imported here: the session runs its prompts through a Scheduler).
+    """Continuous batching of `Request`s over a bundle's `Runner` (module docstring).
 
-    max_queue: waiting requests at most (None: no bound, for a caller that submits a known list);
-    stats: a GenerationStats that the steps add their times to (Session.generate's last_stats).
+    detokenize(ids) -> str: the text of token ids (runtime_min/session.py Session.decode), for the
+    streamed text and stop strings; max_queue: waiting requests at most (None: no bound, for a
+    caller that submits a known list); stats: a GenerationStats that the steps add their times to
+    (Session.generate's last_stats).
     """
 
-    def __init__(self, session, max_queue: int | None = None, stats: GenerationStats | None = None):
+    def __init__(self, runner: Runner, detokenize: Callable[[list[int]], str], max_queue: int | None = None,
+                 stats: GenerationStats | None = None):
         if max_queue is not None and max_queue < 1:
             raise UserError(f"max_queue must be a positive integer, got {max_queue}")
-        self.session = session
+        self.runner = runner
+        self.detokenize = detokenize
         self.max_queue = max_queue
         self.stats = stats
-        self.decode_batches = sorted({b.batch for b in session.manifest.buckets if b.kind == "decode"})
-        self.max_rows = max(self.decode_batches)
-        self.vocab_size = session.vocab_size
+        self.max_rows = max(runner.decode_batches)
+        self.vocab_size = runner.vocab_size
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # row i holds _running[i]
         self._prefilling: Request | None = None  # a prompt in chunked prefill, one chunk a step
-        self._state: dict[str, torch.Tensor] = {}  # each [batch >= rows, ...]
-        self._history: torch.Tensor | None = None  # engram history [batch, H] of the same rows
+        self._state = State()  # rows >= the running requests, each tensor [rows, ...]
         #: set whenever there is work; an engine thread may wait on it when idle
         self.wake = threading.Event()
 
     # ------------------------------------------------------------------ requests
     def check(self, r: Request) -> None:
         """RequestError naming the field and the limit unless the bundle can run `r`: prompt ids
-        within the vocabulary, as many as Session.check_prompt_length allows (the largest prefill
+        within the vocabulary, as many as Runner.check_prompt_length allows (the largest prefill
         bucket, or the context capacity where the bundle has chunk buckets), max_tokens a positive integer within
-        the context capacity (session.check_context), sampling values and seed as sampling.py,
+        the context capacity (`check_context`), sampling values and seed as sampling.py,
         stop at most MAX_STOP non-empty strings."""
         ids = r.prompt_ids
         if not ids:
@@ -263,13 +265,13 @@ class Scheduler:
             raise RequestError(f"prompt token ids must be integers in 0..{self.vocab_size - 1} (the vocabulary)",
                                "prompt")
         try:
-            self.session.check_prompt_length(len(ids))
+            self.runner.check_prompt_length(len(ids))
         except UserError as e:
             raise RequestError(str(e), "prompt") from None
         if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {r.max_tokens!r}", "max_tokens")
         try:
-            check_context(len(ids), r.max_tokens, self.session.max_capacity, name="max_tokens")
+            check_context(len(ids), r.max_tokens, self.runner.max_capacity, name="max_tokens")
         except UserError as e:
             raise RequestError(str(e), "max_tokens") from None
         for name, check in (("temperature", lambda: check_params(r.temperature, 1.0)),
@@ -289,7 +291,7 @@ class Scheduler:
             r._generator.seed()
         else:
             r._generator.manual_seed(r.seed)
-        r._stream = TextStream(self.session.decode)
+        r._stream = TextStream(self.detokenize)
         with self._lock:
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting, --max-queue); retry later")
@@ -356,7 +358,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Step 2 of the module docstring. A prompt past the largest prefill bucket (chunked
-        prefill, Session.prefill_job) holds a row while it runs one chunk per step; one such
+        prefill, Runner.prefill_job) holds a row while it runs one chunk per step; one such
         prompt at a time, the requests behind it in the queue go on being admitted unless they
         need chunks too (they wait for it, in arrival order)."""
         if self._prefilling is not None:
@@ -366,7 +368,7 @@ class Scheduler:
                 if not self._waiting:
                     return
                 r = self._waiting[0]
-                if self._prefilling is not None and self.session.needs_chunks(len(r.prompt_ids)):
+                if self._prefilling is not None and self.runner.needs_chunks(len(r.prompt_ids)):
                     return
                 self._waiting.popleft()
             self._prefill(r)
@@ -377,7 +379,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             if r._job is None:
-                r._job = self.session.prefill_job(r.prompt_ids)
+                r._job = self.runner.prefill_job(r.prompt_ids)
             done = r._job.step()
         except BaseException as e:
             self._prefilling = None
@@ -389,53 +391,35 @@ class Scheduler:
             self._prefilling = r
             return
         self._prefilling = None
-        logits, state, history = r._job.result
+        prefilled = r._job.result
         r._job = None  # its state is copied into the row: not kept twice
-        self._accept(r, int(sample(logits[None], r.temperature, r.top_p, r._generator)[0]))
-        if not r.finished:
-            self._place(r, state, history)
-
-    def _place(self, r: Request, state: dict[str, torch.Tensor], history: torch.Tensor | None) -> None:
-        """Copy row 0 of a prefill's state (and engram history) into the next free row."""
-        n = len(self._running)
-        rows = select.first_fit(self.decode_batches, n + 1)
-        if n == 0:
-            self._state = {k: _grow(v[:1], (rows, *v.shape[1:]), self._fill(k)) for k, v in state.items()}
-            self._history = None if history is None else _grow(history[:1], (rows, history.shape[1]), self._pad_id)
-        else:
-            for k, v in state.items():
-                cur = self._state[k]
-                # the prefill and the running rows may sit at different capacities: both go to the larger
-                shape = (max(rows, cur.shape[0]), *(max(a, b) for a, b in zip(cur.shape[1:], v.shape[1:])))
-                cur = self._state[k] = _grow(cur, shape, self._fill(k))
-                cur[n].copy_(_grow(v[:1], (1, *shape[1:]), self._fill(k))[0])
-            if history is not None:
-                self._history = _grow(self._history, (max(rows, self._history.shape[0]), history.shape[1]), self._pad_id)
-                self._history[n].copy_(history[0])
-        self._running.append(r)
+        self._accept(r, int(sample(prefilled.logits[:1], r.temperature, r.top_p, r._generator)[0]))
+        if not r.finished:  # row 0 of the prefill's state into the next free row
+            n = len(self._running)
+            rows = select.first_fit(self.runner.decode_batches, n + 1)
+            self._state = self.runner.place_row(self._state, n, prefilled.state, rows)
+            self._running.append(r)
 
     def _decode(self) -> None:
-        s = self.session
         n = len(self._running)
-        batch = select.first_fit(self.decode_batches, n)
-        self._fit_rows(batch)
-        feed = torch.full((batch, 1), s.manifest.tokenizer.pad_token_id, dtype=torch.int64)
+        batch = select.first_fit(self.runner.decode_batches, n)
+        self._state = self.runner.fit_rows(self._state, batch)
+        tokens = torch.full((batch,), self.runner.pad_token_id, dtype=torch.int64)
         pos = torch.zeros(batch, dtype=torch.int64)
         for i, r in enumerate(self._running):
-            feed[i, 0] = r.generated[-1]
+            tokens[i] = r.generated[-1]
             pos[i] = len(r.prompt_ids) + len(r.generated) - 1
         t0, c0 = time.perf_counter(), collective_seconds()
         try:
-            exe, args, self._history = s._decode_call(feed, pos, self._history, self._state)
-            outs = exe.run(args)
+            step = self.runner.decode(tokens, pos, self._state)
         except BaseException as e:
             for r in list(self._running):
                 self._end(r, "error", f"{type(e).__name__}: {e}")
-            self._running, self._state, self._history = [], {}, None
+            self._running, self._state = [], State()
             raise
-        self._state = s._collect(exe.bucket, outs)
+        self._state = step.state
         for i, r in enumerate(self._running):
-            self._accept(r, int(sample(outs[0][i:i + 1], r.temperature, r.top_p, r._generator)[0]))
+            self._accept(r, int(sample(step.logits[i:i + 1], r.temperature, r.top_p, r._generator)[0]))
         if self.stats is not None:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.collective_s += collective_seconds() - c0
@@ -444,22 +428,11 @@ class Scheduler:
         for r in [r for r in self._running if r.finished]:
             self._free(r)
 
-    def _fit_rows(self, batch: int) -> None:
-        """The running state at exactly `batch` rows (the active ones are rows 0..n-1)."""
-        for k, v in self._state.items():
-            self._state[k] = v[:batch] if v.shape[0] >= batch else _grow(v, (batch, *v.shape[1:]), self._fill(k))
-        if self._history is not None:
-            h = self._history
-            self._history = h[:batch] if h.shape[0] >= batch else _grow(h, (batch, h.shape[1]), self._pad_id)
-
     def _free(self, r: Request) -> None:
         """Free r's row: the last row moves into it."""
         i, last = self._running.index(r), len(self._running) - 1
         if i != last:
-            for v in self._state.values():
-                v[i].copy_(v[last])
-            if self._history is not None:
-                self._history[i].copy_(self._history[last])
+            self.runner.move_row(self._state, i, last)
             self._running[i] = self._running[last]
         self._running.pop()
 
@@ -468,7 +441,7 @@ class Scheduler:
         r.sampled += 1
         if r.first_token_at is None:
             r.first_token_at = time.perf_counter()
-        if token == self.session.manifest.tokenizer.eos_token_id:
+        if token == self.runner.manifest.tokenizer.eos_token_id:
             self._end(r, "stop")
             return
         r.generated.append(token)
@@ -495,20 +468,3 @@ class Scheduler:
         r.text += piece
         if r.listener is not None:
             r.listener(r, piece)
-
-    def _fill(self, name: str) -> float:
-        return self.session.fills[name].fill
-
-    @property
-    def _pad_id(self) -> int:
-        return self.session.hasher.pad_id
-
-
-def _grow(t: torch.Tensor, shape: Sequence[int], fill: float) -> torch.Tensor:
-    """`t` in a tensor of `shape` (every dimension >= t's), the rest `fill`; `t` itself if equal.
-    Growing a capacity dimension appends unused rows, as schema.py's state rule allows."""
-    if tuple(t.shape) == tuple(shape):
-        return t
-    out = torch.full(tuple(shape), fill, dtype=t.dtype)
-    out[tuple(slice(0, d) for d in t.shape)] = t
-    return out

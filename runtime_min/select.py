@@ -3,8 +3,8 @@
 Selection is first-fit and inclusive: a need of n uses the smallest bucket size >= n, so n equal to
 a bucket uses that bucket (unlike NxDI's strict `<`), and n = b + 1 moves to the next one. Needs
 above the largest bucket are a UserError naming the limit. A prompt above the largest prefill
-bucket runs as a chunked prefill where the bundle has chunk buckets (runtime_min/session.py
-Session.prefill), at the smallest chunk capacity holding it (`pick_chunk_capacity`); a batch is
+bucket runs as a chunked prefill where the bundle has chunk buckets (runtime_min/runner.py
+Runner.prefill_job), at the smallest chunk capacity holding it (`pick_chunk_capacity`); a batch is
 never split into several calls.
 
 Padding: prompts are right-padded to the bucket's seq_len and carry their valid length; rows added

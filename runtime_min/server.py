@@ -105,7 +105,7 @@ class Engine:
     `follow`)."""
 
     def __init__(self, session: Session, max_queue: int, channel: "Channel | None" = None):
-        self.scheduler = Scheduler(session)  # the engine bounds the queue: waiting + events not yet applied
+        self.scheduler = session.scheduler()  # the engine bounds the queue: waiting + events not yet applied
         self.session = session
         self.max_queue = max_queue
         self.metrics = Metrics(self.scheduler)
@@ -268,7 +268,7 @@ def follow(session: Session, channel: Channel) -> None:
     wait or run, as rank 0 does after the same events (so the executables' collectives meet),
     until rank 0 says stop. The seeds come from rank 0 and the logits are gathered, so every rank
     samples the same tokens and its scheduler stays rank 0's."""
-    s = Scheduler(session)
+    s = session.scheduler()
     live: dict[str, Request] = {}
     while True:
         msg = channel.recv()

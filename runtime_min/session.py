@@ -4,11 +4,14 @@
     text = session.generate("Hello", max_new_tokens=32)                       # greedy
     texts = session.generate(["a", "b"], 32, temperature=0.8, top_p=0.9, seed=1, stream=print_piece)
 
+The session is the tokenize-and-generate front: the executables and state rows are its `runner`
+(runtime_min/runner.py), which the scheduler drives.
+
 Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> one request per prompt
 through the scheduler (runtime_min/scheduler.py, the one decode loop, shared with `dsneuron
 serve`): each prompt's prefill at the smallest batch bucket, right-padded to its prefill bucket
 (first-fit, runtime_min/select.py), or, for a prompt past the largest prefill bucket in a bundle
-with chunk buckets, a chunked prefill (`Session.prefill`: its first chunk a prefill, the others
+with chunk buckets, a chunked prefill (`Runner.prefill_job`: its first chunk a prefill, the others
 chunk buckets continuing the state with the numerics of decode steps), engram ids on the host
 from the manifest's parameters, state
 starting as the manifest's fill values when the prefill takes state inputs -> sample -> decode one
@@ -18,7 +21,7 @@ between capacities (schema.py: append fill rows to grow, drop unused trailing ro
 stop a row at EOS (not part of its text) or max_new_tokens. Any number of prompts: those past the
 largest batch bucket wait for a free row, and each prompt's output is what it gets alone.
 
-Prompt limit, decided up front (`check_prompt_length`): the largest prefill bucket, or, where the
+Prompt limit, decided up front (`Runner.check_prompt_length`): the largest prefill bucket, or, where the
 bundle has chunk buckets, the largest capacity they continue (the context capacity); the refusal
 names the limit.
 
@@ -40,23 +43,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dsneuron import UserError
 
-from . import schema, select
-from .bundle import Bundle, is_stablehlo, open_bundle
-from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
+from .bundle import Bundle
+from .runner import Runner, Step
 from .sampling import check_params, check_seed
 from .scheduler import GenerationStats, Request, Scheduler, check_context
-from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
-
-if TYPE_CHECKING:
-    from .executor_neuron import NeuronExecutable
-
-DATA_INPUTS = frozenset(n for names in schema.DATA_INPUTS.values() for n in names)
+from .schema import BundleError
 
 
 @dataclass
@@ -71,107 +68,23 @@ class StepResult:
     seconds: float
     state_in: dict[str, torch.Tensor]
 
-
-def fresh_state(specs: Sequence[TensorSpec], fills: dict[str, StateEntry]) -> dict[str, torch.Tensor]:
-    """State tensors of `specs`, each filled with its manifest fill value."""
-    return {s.name: torch.full(s.shape, fills[s.name].fill, dtype=s.torch_dtype) for s in specs}
-
-
-def resize_state(t: torch.Tensor, spec: TensorSpec, fill: float) -> torch.Tensor:
-    """`t` at the shape of `spec`: equal shapes pass through; otherwise exactly one dimension may
-    differ (the capacity-dependent one): growing appends rows of `fill`, shrinking drops trailing
-    rows (unused below the new capacity, schema.py). Raises BundleError for any other mismatch."""
-    if tuple(t.shape) == spec.shape:
-        return t
-    diff = [d for d, (a, b) in enumerate(zip(t.shape, spec.shape)) if a != b]
-    if t.dim() != len(spec.shape) or len(diff) != 1:
-        raise BundleError(f"state {spec.name}: cannot carry shape {list(t.shape)} to {list(spec.shape)} "
-                          "(only one capacity-dependent dimension may differ)")
-    d = diff[0]
-    if spec.shape[d] < t.shape[d]:
-        return t.narrow(d, 0, spec.shape[d]).contiguous()
-    out = torch.full(spec.shape, fill, dtype=t.dtype)
-    out.narrow(d, 0, t.shape[d]).copy_(t)
-    return out
-
-
-def make_engram_hasher(params: dict):
-    """The host-side n-gram hasher for the manifest's engram parameters."""
-    from .engram_hash import NgramHasher
-
-    try:
-        return NgramHasher(params)
-    except (TypeError, ValueError) as e:  # TypeError: a value of the wrong JSON type
-        raise BundleError(f"manifest host_preprocessing.engram: {e}") from None
-
-
-class PrefillJob:
-    """One prompt's prefill, one executable call per `step` (Session.prefill_job): the scheduler
-    runs a long prompt's chunks between the decode steps of the running requests.
-    `step()` runs the next call and returns True when the prompt is done; `result` is then
-    (logits [vocab] fp32, state {name: [batch, ...]} with the prompt in row 0, engram history
-    [batch, H] int64 or None)."""
-
-    def __init__(self, calls):
-        # a prompt that fits a prefill bucket comes as its result (its one call ran already); a
-        # chunked one as the generator of its calls (Session._chunks)
-        self._calls = calls if not isinstance(calls, tuple) else None
-        self.result = calls if isinstance(calls, tuple) else None
-
-    def step(self) -> bool:
-        if self.result is None:
-            try:
-                next(self._calls)
-            except StopIteration as end:
-                self.result = end.value
-        return self.result is not None
-
-    def run(self):
-        """Every call left; returns `result`."""
-        while not self.step():
-            pass
-        return self.result
+    @classmethod
+    def of_row0(cls, step: Step) -> "StepResult":
+        return cls(step.logits[0], {k: t[0] for k, t in step.probes.items()}, step.seconds,
+                   {k: t[:1] for k, t in step.state_in.items()})
 
 
 class Session:
-    """A loaded bundle ready to generate. Build with `Session.load(path)`."""
+    """A loaded bundle ready to generate: the tokenizer in front of its `runner` (runtime_min/runner.py,
+    the executables and state rows). Build with `Session.load(path)`."""
 
-    def __init__(self, bundle: Bundle):
-        m = bundle.manifest
-        if m.target == "cpu":
-            register_custom_ops(m.compiler.get("custom_ops", {}))
-            self._make: Callable[..., CpuExecutable | NeuronExecutable] = CpuExecutable
-        elif is_stablehlo(m):  # the neuron path's modules, run on XLA:CPU (a check)
-            from .executor_stablehlo import StableHloExecutable
-
-            self._make = StableHloExecutable
-        else:  # open_bundle admits only known targets; the NEFFs are checked for this host here
-            from .executor_neuron import NeuronExecutor
-
-            self._make = NeuronExecutor(bundle.root, m)
-        self.bundle = bundle
-        self.manifest = m
-        self.weights = bundle.load_weights()
-        self.tokenizer = _load_tokenizer(bundle)
-        self.fills = {s.name: s for s in m.state}
-        self._buckets = {(b.kind, b.batch, b.length): b for b in m.buckets}
-        self._loaded: dict[tuple[str, int, int], CpuExecutable | NeuronExecutable] = {}
-        self.batch_sizes = sorted({b.batch for b in m.buckets if b.kind == "prefill"})
-        #: every prefill runs one prompt, at the smallest batch bucket (rows past 0 are filler)
-        self.prefill_batch = select.pick_batch(self.batch_sizes, 1)
-        cols = {tuple(s.shape[2:]) for b in m.buckets for s in b.inputs if s.name == "engram_ids"}
-        self.engram_cols = max(cols, default=(0, 0))
-        params = m.host_preprocessing.get("engram")
-        if self.engram_cols[0] > 0 and not params:
-            raise BundleError("manifest host_preprocessing.engram: the executables take engram ids but the "
-                              "manifest carries no hashing parameters")
-        self.hasher = make_engram_hasher(params) if self.engram_cols[0] > 0 else None
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.bundle = runner.bundle
+        self.manifest = runner.manifest
+        self.tokenizer = _load_tokenizer(runner.bundle)
         #: timings of the last `generate` call (GenerationStats), None before the first
         self.last_stats: GenerationStats | None = None
-        self.vocab_size = vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
-        if self.hasher is not None and self.hasher.vocab_size != vocab:
-            raise BundleError(f"manifest host_preprocessing.engram.token_map: maps {self.hasher.vocab_size} token ids, "
-                              f"the model's vocabulary has {vocab}")
 
     @classmethod
     def load(cls, path: str | Path, verify_key: str | Path | None = None,
@@ -180,38 +93,16 @@ class Session:
         signature too), load weights and tokenizer. Executables load on first use. shard: (tp, ep,
         rank) when this process is one rank of a sharded bundle (runtime_min/sharded.py). Raises
         BundleError naming the first problem."""
-        return cls(open_bundle(path, verify_key, shard=shard))
-
-    # ------------------------------------------------------------------ buckets
-    def _lengths(self, kind: str, batch: int) -> list[int]:
-        return sorted(length for (k, b, length) in self._buckets if k == kind and b == batch)
-
-    def _executable(self, kind: str, batch: int, length: int) -> CpuExecutable | NeuronExecutable:
-        key = (kind, batch, length)
-        if key not in self._loaded:
-            t0 = time.perf_counter()
-            b = self._buckets[key]
-            if b.stages:
-                self._loaded[key] = StagedExecutable(self.bundle.root, b, self.weights)
-            else:
-                self._loaded[key] = self._make(self.bundle.root / b.file, b, [self.weights[n] for n in b.weights])
-            if self.last_stats is not None:
-                self.last_stats.load_s += time.perf_counter() - t0
-        return self._loaded[key]
-
-    def stage_timers(self) -> dict[tuple[str, int, int], dict[str, float]]:
-        """Time the stages of every staged executable loaded so far: {(kind, batch, length): the
-        dict its runs from now on add each stage's wall seconds to, by stage name}
-        (StagedExecutable.stage_seconds; the benchmark's per-stage tables)."""
-        out = {}
-        for key, exe in self._loaded.items():
-            if isinstance(exe, StagedExecutable):
-                exe.stage_seconds = out[key] = {}
-        return out
+        return cls(Runner.load(path, verify_key, shard))
 
     @property
     def max_capacity(self) -> int:
-        return max(b.capacity for b in self.manifest.buckets if b.kind == "decode")
+        """The context capacity: the largest decode capacity, in tokens."""
+        return self.runner.max_capacity
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
 
     # ------------------------------------------------------------------ generation
     def encode(self, prompt: str, index: int = 0) -> list[int]:
@@ -229,6 +120,10 @@ class Session:
         """The text of token ids, special tokens (EOS, role markers) left out."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def scheduler(self, max_queue: int | None = None, stats: GenerationStats | None = None) -> Scheduler:
+        """A Scheduler over this session's runner, detokenizing with `decode`."""
+        return Scheduler(self.runner, self.decode, max_queue=max_queue, stats=stats)
+
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[int, str], None] | None = None) -> str | list[str]:
@@ -239,7 +134,7 @@ class Session:
         temperature 0 is greedy; otherwise temperature/top-p sampling, each prompt from its own
         torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
         receives a prompt's text as it is final. Raises UserError naming the limit for an empty
-        prompt, a prompt `check_prompt_length` refuses, prompt + max_new_tokens - 1
+        prompt, a prompt `Runner.check_prompt_length` refuses, prompt + max_new_tokens - 1
         beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
         values (runtime_min/sampling.py).
         """
@@ -260,20 +155,15 @@ class Session:
         check_seed(seed)
         start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
-        batch = self.prefill_batch
         longest = max(len(x) for x in ids)
         for i, x in enumerate(ids):  # the one at fault named, among several
             try:
-                self.check_prompt_length(len(x))
+                self.runner.check_prompt_length(len(x))
                 check_context(len(x), max_new_tokens, self.max_capacity)
             except UserError as e:
                 raise UserError(f"prompt {i}: {e}" if len(ids) > 1 else str(e)) from None
-        lengths = self._lengths("prefill", batch)
-        label = (f"b{batch} s{select.pick_prefill(lengths, longest)}" if longest <= max(lengths) else
-                 f"b{batch} s{max(lengths)} + chunks at capacity "
-                 f"{select.pick_chunk_capacity(self._lengths('chunk', batch), longest)}")
-        self.last_stats = GenerationStats(longest, label, len(ids))
-        scheduler = Scheduler(self, stats=self.last_stats)
+        self.last_stats = stats = GenerationStats(longest, self.runner.prefill_label(longest), len(ids))
+        scheduler = self.scheduler(stats=stats)
         index: dict[str, int] = {}
 
         def listener(r: Request, piece: str) -> None:
@@ -284,8 +174,12 @@ class Session:
         index.update({r.id: i for i, r in enumerate(requests)})
         for r in requests:
             scheduler.submit(r)
-        scheduler.run()
-        self.last_stats.first_token_s = min(r.first_token_at for r in requests) - start
+        loaded = self.runner.load_seconds
+        try:
+            scheduler.run()
+        finally:  # the executables loaded on first use during this call
+            stats.load_s = self.runner.load_seconds - loaded
+        stats.first_token_s = min(r.first_token_at for r in requests) - start
         return [r.generated for r in requests]
 
     def teacher_forced(self, ids: Sequence[int], n_prompt: int) -> list[StepResult]:
@@ -302,156 +196,18 @@ class Session:
         if len(ids) > self.max_capacity:
             raise UserError(f"sequence of {len(ids)} tokens exceeds the context capacity of this bundle, "
                             f"{self.max_capacity} tokens (compile.decode_context_lens)")
-        batch = self.prefill_batch
-        seq_len = select.pick_prefill(self._lengths("prefill", batch), n_prompt)
-        exe, args, history = self._prefill_call([ids[:n_prompt]], batch, seq_len)
-        results, state = [], {}
-        for p in range(n_prompt, len(ids) + 1):
-            if p > n_prompt:
-                feed = torch.full((batch, 1), self.manifest.tokenizer.pad_token_id, dtype=torch.int64)
-                feed[0, 0] = ids[p - 1]
-                pos = torch.zeros(batch, dtype=torch.int64)
-                pos[0] = p - 1
-                exe, args, history = self._decode_call(feed, pos, history, state)
-            t0 = time.perf_counter()
-            outs = exe.run(args)
-            seconds = time.perf_counter() - t0
-            state = self._collect(exe.bucket, outs)
-            probes = {spec.name[len(PROBE_PREFIX):]: t[0] for spec, t in zip(exe.bucket.outputs, outs)
-                      if spec.name.startswith(PROBE_PREFIX)}
-            state_in = {spec.name: t[:1] for spec, t in zip(exe.bucket.inputs, args) if spec.name not in DATA_INPUTS}
-            results.append(StepResult(outs[0][0], probes, seconds, state_in))
-        return results
-
-    def check_prompt_length(self, n_tokens: int) -> None:
-        """Raise UserError naming the limit unless `prefill` runs a prompt of n_tokens tokens: up to
-        the largest prefill bucket in one call, or, in a bundle with chunk buckets, up to the
-        largest capacity they continue (the chunked prefill's limit, the context capacity)."""
-        batch = self.prefill_batch
-        lengths = self._lengths("prefill", batch)
-        if n_tokens <= max(lengths) or not self._lengths("chunk", batch):
-            select.pick_prefill(lengths, n_tokens)
-            return
-        select.pick_chunk_capacity(self._lengths("chunk", batch), n_tokens)
-
-    def needs_chunks(self, n_tokens: int) -> bool:
-        """Whether a prompt of n_tokens is past the largest prefill bucket (`prefill_job` runs it
-        in chunks)."""
-        return n_tokens > max(self._lengths("prefill", self.prefill_batch))
-
-    def prefill(self, ids: Sequence[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """The prefill of one prompt as it runs alone (`prefill_job`, run to its end). Returns
-        (logits [vocab] fp32 after the prompt's last token, the state {name: [batch, ...]} whose
-        row 0 is the prompt's, the engram history [batch, H] int64 or None). Raises UserError as
-        `check_prompt_length`."""
-        return self.prefill_job(ids).run()
-
-    def chunked_prefill(self, ids: Sequence[int], chunk: int
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
-        """`prefill` of one prompt in chunks of `chunk` tokens (`prefill_job`), whatever its length;
-        a chunk must be a length the prefill and chunk buckets take. Raises UserError when the
-        bundle has no chunk bucket or none holds the prompt, ValueError for a chunk length the
-        buckets do not take."""
-        return self.prefill_job(ids, chunk).run()
-
-    def prefill_job(self, ids: Sequence[int], chunk: int | None = None) -> "PrefillJob":
-        """The prefill of one prompt as it runs alone, at the smallest batch bucket, as a
-        `PrefillJob` of one executable call at a time: right-padded to the smallest prefill bucket
-        holding it, one call; a prompt longer than the largest prefill bucket P (or any prompt,
-        given `chunk`), in a bundle with chunk buckets, as a chunked prefill: its first P (chunk)
-        tokens in a prefill bucket, then chunks of up to P (chunk) tokens, each run at its chunk
-        bucket's padded length and continuing the state at its start position (graphs/steps.py
-        prefill_chunk: the numerics of that many decode steps), at the smallest chunk capacity
-        holding the prompt; rows past 0 are filler. Raises UserError as `check_prompt_length`."""
-        ids = list(ids)
-        self.check_prompt_length(len(ids))
-        batch = self.prefill_batch
-        lengths = self._lengths("prefill", batch)
-        if chunk is None and len(ids) <= max(lengths):
-            return PrefillJob(self._one_shot(ids, batch, select.pick_prefill(lengths, len(ids))))
-        if not self._lengths("chunk", batch):
-            raise UserError(f"this bundle has no chunk bucket of batch {batch} (compile with compile.chunked_prefill "
-                            "and a decode capacity above the largest prefill length)")
-        capacity = select.pick_chunk_capacity(self._lengths("chunk", batch), len(ids))
-        return PrefillJob(self._chunks(ids, batch, chunk or max(lengths), capacity))
-
-    def _one_shot(self, ids: list[int], batch: int, seq_len: int):
-        exe, args, history = self._prefill_call([ids], batch, seq_len)
-        outs = exe.run(args)
-        return outs[0][0], self._collect(exe.bucket, outs), history
-
-    def _chunks(self, ids: list[int], batch: int, chunk: int, capacity: int):
-        """Generator of `prefill_job`'s chunked calls: yields after each but the last, returns as `prefill`."""
-        first = min(chunk, len(ids))
-        exe, args, history = self._prefill_call([ids[:first]], batch,
-                                                select.pick_prefill(self._lengths("prefill", batch), first))
-        outs = exe.run(args)
-        state = self._collect(exe.bucket, outs)
-        exe = self._executable("chunk", batch, capacity)
-        pad = self.manifest.tokenizer.pad_token_id
-        for p in range(first, len(ids), chunk):
-            yield
-            part = ids[p:p + chunk]
-            tokens, valid = select.pad_prompts([part], batch, exe.bucket.padded_len(len(part)), pad)
+        runner = self.runner
+        batch = runner.prefill_batch
+        step = runner.prefill([ids[:n_prompt]])
+        results = [StepResult.of_row0(step)]
+        for p in range(n_prompt, len(ids)):  # feeds ids[p] at position p
+            tokens = torch.full((batch,), runner.pad_token_id, dtype=torch.int64)
+            tokens[0] = ids[p]
             pos = torch.zeros(batch, dtype=torch.int64)
             pos[0] = p
-            engram = None
-            if self.hasher is not None:
-                engram, history = self.hasher.hash(tokens, history, valid)
-            data = {"tokens": tokens, "pos": pos, "valid_len": valid, "engram_ids": engram}
-            outs = exe.run(self._inputs(exe.bucket, data, self._state_for(exe.bucket, state)))
-            state = self._collect(exe.bucket, outs)
-        return outs[0][0], state, history
-
-    def _prefill_call(self, ids: list[list[int]], batch: int, seq_len: int):
-        """(executable, its inputs, engram history) of the prefill of `ids` right-padded to (batch,
-        seq_len), or for a bucket with a token range to `Bucket.padded_len` of the longest prompt."""
-        exe = self._executable("prefill", batch, seq_len)
-        tokens, valid = select.pad_prompts(ids, batch, exe.bucket.padded_len(max(len(x) for x in ids)),
-                                           self.manifest.tokenizer.pad_token_id)
-        engram = history = None
-        if self.hasher is not None:
-            engram, history = self.hasher.hash(tokens, self.hasher.initial_history(batch), valid)
-        return exe, self._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, self._state_for(exe.bucket, {})), history
-
-    def _decode_call(self, feed: torch.Tensor, pos: torch.Tensor, history, state: dict[str, torch.Tensor]):
-        """(executable, its inputs, engram history') of one decode step of feed [B,1] at positions
-        pos [B], at the smallest capacity holding every position, with the state carried over."""
-        batch = feed.size(0)
-        engram = None
-        if self.hasher is not None:
-            engram, history = self.hasher.hash(feed, history)
-        exe = self._executable("decode", batch, select.pick_capacity(self._lengths("decode", batch), int(pos.max()) + 1))
-        return exe, self._inputs(exe.bucket, {"tokens": feed, "pos": pos, "engram_ids": engram}, self._state_for(exe.bucket, state)), history
-
-    def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""
-        out = {}
-        for spec in bucket.inputs:
-            if spec.name in DATA_INPUTS:
-                continue
-            if spec.name not in self.fills:
-                raise BundleError(f"{bucket.file}: input {spec.name} is neither a data input nor a state tensor of the manifest")
-            fill = self.fills[spec.name].fill
-            out[spec.name] = (resize_state(state[spec.name], spec, fill) if spec.name in state
-                              else torch.full(spec.shape, fill, dtype=spec.torch_dtype))
-        return out
-
-    def _inputs(self, bucket: Bucket, data: dict[str, torch.Tensor | None], state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        args = []
-        for spec in bucket.inputs:
-            if spec.name == "engram_ids" and data.get("engram_ids") is None:
-                shape = (spec.shape[0], data["tokens"].shape[1], *spec.shape[2:])
-                args.append(torch.zeros(shape, dtype=torch.int64))  # E = 0: an empty tensor
-            elif spec.name in DATA_INPUTS:
-                args.append(data[spec.name].contiguous())
-            else:
-                args.append(state[spec.name])
-        return args
-
-    @staticmethod
-    def _collect(bucket: Bucket, outs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {spec.name: t for spec, t in zip(bucket.outputs[1:], outs[1:]) if not spec.name.startswith(PROBE_PREFIX)}
+            step = runner.decode(tokens, pos, step.state)
+            results.append(StepResult.of_row0(step))
+        return results
 
 
 def _load_tokenizer(bundle: Bundle):

@@ -14,7 +14,7 @@ def timed_decode(micro_bundle):
     session = Session.load(micro_bundle.path)
     ids = [0, 5, 9, 13, 17, 21, 25, 29, 33, 37]
     session.teacher_forced(ids, len(ids) - 4)  # loads the executables
-    timers = session.stage_timers()
+    timers = session.runner.stage_timers()
     steps = session.teacher_forced(ids, len(ids) - 4)
     return session, timers, steps
 
@@ -39,8 +39,8 @@ def test_stage_read_bytes_match_the_checkpoint_bytes_a_token_reads(timed_decode,
     safetensors headers (compiler/bench.py decode_bytes)."""
     session, _, _ = timed_decode
     model = micro_bundle.model_cfg.to_dict()
-    read = stage_read_bytes(_bucket(session, "decode"), session.weights, model)
-    head = session.weights["head.kernel_w"]
+    read = stage_read_bytes(_bucket(session, "decode"), session.runner.weights, model)
+    head = session.runner.weights["head.kernel_w"]
     assert read["head"] >= head.numel() * head.element_size()
     stored = decode_bytes(micro_checkpoint, model)
     assert stored <= sum(read.values()) <= 1.1 * stored

@@ -98,14 +98,12 @@ def test_mixed_length_batch_tracks_each_prompt_alone(full_session, micro_golden)
     run of that prompt alone no worse than the floors do (padding of the short row never leaks)."""
     from dsneuron.compiler.compare import logit_metrics
     from dsneuron.graphs.model import gemm_order, nudged_embedding
-    from dsneuron.runtime_min import select
 
     s = full_session
     rows = [random_ids(9, 1), random_ids(14, 2)]
-    tokens, valid = select.pad_prompts(rows, 2, 16, s.manifest.tokenizer.pad_token_id)
-    eng, _ = s.hasher.hash(tokens, s.hasher.initial_history(2), valid)
-    exe = s._executable("prefill", 2, 16)
-    logits = exe.run(s._inputs(exe.bucket, {"tokens": tokens, "valid_len": valid, "engram_ids": eng}, s._state_for(exe.bucket, {})))[0]
+    step = s.runner.prefill(rows, batch=2)
+    assert step.bucket.seq_len == 16
+    logits = step.logits
     for i, ids in enumerate(rows):
         ref = micro_golden.teacher_forced(ids, len(ids))[0].logits
         with gemm_order("descending"):

@@ -482,14 +482,14 @@ kit = stand_in.make_kit(root / "kit", {"max_seq_len": 8, "decode_context_lens": 
 pb = plan_buckets(kit.compile_cfg, kit.model_cfg).buckets[0]
 from types import SimpleNamespace
 from dsneuron.kernels_nki.neuron_adapters import NkiBinding
-record, program = pipeline._export(kit.parts, pb, pipeline.CpuBackend(None))
+record, program = pipeline.export_bucket(kit.parts, pb, pipeline.CpuBackend(None))
 flags, tc = backend_cpu.effective_flags(None), host_toolchain()
 binding = NkiBinding("stand_in:gated_mix", stand_in.in_order, "dsneuron_test::nki_gated_mix")
 kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": binding})
 from dsneuron.compiler.lower import KernelCalls
 neuron = SimpleNamespace(lowering=lambda: KernelCalls({"dsneuron_test::gated_mix": binding}),
                          input_views=backend_neuron.INPUT_VIEWS, neuron_spelling=backend_neuron.NeuronBackend.neuron_spelling)
-nrecord, nprogram = pipeline._export(kit.parts, pb, neuron)
+nrecord, nprogram = pipeline.export_bucket(kit.parts, pb, neuron)
 nflags = ["--target=trn2", "-O1"]
 print(json.dumps({
     "cpu": cache_key(normalised_graph(program), flags, tc, "cpu", backend_cpu.BACKEND),

@@ -216,7 +216,8 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
     s = chunk_session
     assert {b.kind for b in s.manifest.buckets} == {"prefill", "decode", "chunk"} and s.manifest.schema_version == 4
     ids = _ids(50, 2)[0].tolist()
-    logits, state, history = s.prefill(ids)
+    done = s.runner.prefill_job(ids).run()
+    logits, state, history = done.logits[0], done.state.tensors, done.state.history
     assert torch.equal(logits, s.teacher_forced(ids, 16)[-1].logits)
     ref = micro_golden.teacher_forced(ids, 50, chunks=16)[0].logits
     with gemm_order("descending"):
@@ -233,18 +234,18 @@ def test_a_long_prompt_is_chunked_between_the_decode_steps_of_the_others(chunk_s
     """runtime_min/scheduler.py: a 50-token prompt (prefill 16, chunks 16, 16, 2) arrives while a
     short request decodes on the other row: each step runs one of its calls and one decode of the
     short request, and both get the tokens they get alone."""
-    from dsneuron.runtime_min.scheduler import Request, Scheduler
+    from dsneuron.runtime_min.scheduler import Request
 
     s = chunk_session
     short, long = s.encode("Hello there"), _ids(50, 2)[0].tolist()
     alone = []
     for ids, n in ((short, 20), (long, 6)):
         r = Request(ids, n)
-        one = Scheduler(s)
+        one = s.scheduler()
         one.submit(r)
         one.run()
         alone.append(r.generated)
-    sched = Scheduler(s)
+    sched = s.scheduler()
     a, b = Request(short, 20), Request(long, 6)
     sched.submit(a)
     sched.step()
@@ -262,20 +263,20 @@ def test_a_long_prompt_is_chunked_between_the_decode_steps_of_the_others(chunk_s
 @pytest.mark.slow
 def test_cpu_target_long_prompt_limits_and_generation(chunk_session):
     """Up to the capacity through Session.generate (the scheduler); one token past it is refused by
-    Session.check_prompt_length and the scheduler's check, naming the capacity."""
+    Runner.check_prompt_length and the scheduler's check, naming the capacity."""
     from dsneuron import UserError
-    from dsneuron.runtime_min.scheduler import Request, RequestError, Scheduler
+    from dsneuron.runtime_min.scheduler import Request, RequestError
 
     s = chunk_session
-    s.check_prompt_length(64)
+    s.runner.check_prompt_length(64)
     with pytest.raises(UserError, match="context capacity of this bundle is 64 tokens"):
-        s.check_prompt_length(65)
+        s.runner.check_prompt_length(65)
     text = "the quick brown fox jumps over the lazy dog " * 4
     assert 16 < len(s.encode(text)) < 63
     assert len(s.generate_ids([text], 2)[0]) == 2
     assert "chunks at capacity 64" in s.last_stats.prefill_bucket
     with pytest.raises(RequestError, match="64 tokens"):
-        Scheduler(s).check(Request(_ids(65, 1)[0].tolist(), 1))
+        s.scheduler().check(Request(_ids(65, 1)[0].tolist(), 1))
 
 
 @pytest.mark.slow
@@ -285,18 +286,18 @@ def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
     scheduler; 8193 tokens are refused naming the capacity (3-11 minutes, mostly the compile)."""
     from dsneuron import UserError
     from dsneuron.compiler.bench_chunk import compile_bench_bundle
-    from dsneuron.runtime_min.scheduler import Request, Scheduler
+    from dsneuron.runtime_min.scheduler import Request
     from dsneuron.runtime_min.session import Session
 
     s = Session.load(compile_bench_bundle("tiny", 128, 8192, tmp_path))
     assert [(b.kind, b.seq_len, b.capacity) for b in s.manifest.buckets] == \
         [("prefill", 128, 8192), ("decode", 1, 8192), ("chunk", 128, 8192)]
     ids = _ids(8000, 1)[0].tolist()
-    logits, _, _ = s.prefill(ids)
+    logits = s.runner.prefill_job(ids).run().logits[0]
     assert torch.isfinite(logits).all()
-    sch = Scheduler(s)
+    sch = s.scheduler()
     r = sch.submit(Request(ids, 3))
     sch.run()
     assert r.finish_reason == "length" and len(r.generated) == 3 and r.generated[0] == int(logits.argmax())
     with pytest.raises(UserError, match="context capacity of this bundle is 8192 tokens"):
-        s.check_prompt_length(8193)
+        s.runner.check_prompt_length(8193)

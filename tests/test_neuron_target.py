@@ -640,8 +640,8 @@ def test_session_picks_the_neuron_executor_and_checks_every_neff(fake_sdk, neuro
         Session.load(out)
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
     session = Session.load(out)
-    assert isinstance(session._make, NeuronExecutor)
-    assert {h.lnc_size for h in session._make.headers.values()} == {1}
+    assert isinstance(session.runner.make_executable, NeuronExecutor)
+    assert {h.lnc_size for h in session.runner.make_executable.headers.values()} == {1}
     if importlib.util.find_spec("torch_neuronx") is None:
         with pytest.raises(BundleError, match=r"running a NEFF needs torch-neuronx .* AWS Neuron pip index"):
             session.generate("hi", 2)

@@ -17,7 +17,8 @@ from dsneuron.runtime_min.sampling import check_params, check_seed, sample
 from dsneuron.runtime_min.schema import BundleError, TensorSpec
 from dsneuron.runtime_min.schema import SEAL, content_sha256
 from dsneuron.runtime_min.scheduler import TextStream, check_context
-from dsneuron.runtime_min.session import Session, resize_state
+from dsneuron.runtime_min.runner import resize_state
+from dsneuron.runtime_min.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_compiled_steps_equal_eager_steps(session, bundle):
     tokens = torch.randint(0, kit.model.vocab_size, (2, 8), generator=g)
     valid = torch.tensor([8, 3])
     engram, _ = kit.hasher.hash(tokens, kit.hasher.initial_history(2), valid)
-    exe = session._executable("prefill", 2, 8)
+    exe = session.runner.executable("prefill", 2, 8)
     got = exe.run([tokens, valid, engram])
     want = kit.parts.steps.prefill(2, 8, 8).module(tokens, valid, engram)
     assert len(got) == len(want) == 5
@@ -50,17 +51,17 @@ def test_compiled_steps_equal_eager_steps(session, bundle):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     state = [torch.randn(t.shape, generator=g) for t in want[1:]]
     state = [resize_state(t, TensorSpec("s", s.shape, "float32"), 0.0) for t, s in
-             zip(state, session._buckets[("decode", 2, 16)].inputs[3:])]
+             zip(state, session.runner.bucket("decode", 2, 16).inputs[3:])]
     feed, pos = torch.tensor([[5], [7]]), torch.tensor([9, 2])
     ids = torch.randint(0, 50, (2, 1, kit.hasher.n_layers, kit.hasher.n_cols), generator=g)
-    got = session._executable("decode", 2, 16).run([feed, pos, ids, *state])
+    got = session.runner.executable("decode", 2, 16).run([feed, pos, ids, *state])
     want = kit.parts.steps.decode(2, 16).module(feed, pos, ids, *state)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_executable_refuses_wrong_shapes(session):
-    exe = session._executable("prefill", 2, 8)
+    exe = session.runner.executable("prefill", 2, 8)
     with pytest.raises(ValueError, match="input tokens must be a contiguous torch.int64 \\[2, 8\\]"):
         exe.run([torch.zeros(2, 9, dtype=torch.int64), torch.ones(2, dtype=torch.int64),
                  torch.zeros(2, 9, 2, 4, dtype=torch.int64)])

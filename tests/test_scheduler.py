@@ -38,7 +38,7 @@ def alone(session):
 
 def staggered(session, requests, steps_between: int = 1, scheduler=None):
     """Submit the requests one after another with decode steps in between, then run to the end."""
-    s = scheduler or Scheduler(session)
+    s = scheduler or Scheduler(session.runner, session.decode)
     for r in requests:
         s.submit(r)
         for _ in range(steps_between):
@@ -100,7 +100,7 @@ def test_stop_string_cuts_the_text_and_frees_the_row(session, alone):
 def test_cancel_frees_the_row_and_leaves_the_others_alone(session, alone):
     picked = [0, 2, 4]  # 9, 12 and 13 new tokens: none ends by itself in the first steps
     reqs = [Request(session.encode(PROMPTS[i]), NEW[i]) for i in picked]
-    s = Scheduler(session)
+    s = session.scheduler()
     for r in reqs:
         s.submit(r)
     s.step()
@@ -118,18 +118,18 @@ def test_a_failing_prefill_ends_only_its_request(session, alone, monkeypatch):
     """An error in one request's step ends that request ("error") and is raised; the rows of the
     others keep their state and give their alone tokens."""
     bad = session.encode("zz")
-    real = session._prefill_call
+    real = session.runner.prefill
 
-    def prefill(ids, batch, seq_len):
-        if ids[0] == bad:
+    def prefill(prompts, batch=None):
+        if prompts[0] == bad:
             raise RuntimeError("injected")
-        return real(ids, batch, seq_len)
+        return real(prompts, batch)
 
-    monkeypatch.setattr(session, "_prefill_call", prefill)
+    monkeypatch.setattr(session.runner, "prefill", prefill)
     first = Request(session.encode(PROMPTS[0]), NEW[0])
     broken = Request(bad, 5)
     last = Request(session.encode(PROMPTS[1]), NEW[1])
-    s = Scheduler(session)
+    s = session.scheduler()
     s.submit(first)
     s.step()
     s.submit(broken)
@@ -142,7 +142,7 @@ def test_a_failing_prefill_ends_only_its_request(session, alone, monkeypatch):
 
 
 def test_queue_is_bounded(session):
-    s = Scheduler(session, max_queue=2)
+    s = session.scheduler(max_queue=2)
     s.submit(Request(session.encode("a"), 2))
     s.submit(Request(session.encode("b"), 2))
     with pytest.raises(QueueFull, match=r"queue is full \(2 waiting"):
@@ -151,7 +151,7 @@ def test_queue_is_bounded(session):
     s.submit(Request(session.encode("c"), 2))
     s.run()
     with pytest.raises(UserError, match="max_queue must be a positive integer"):
-        Scheduler(session, max_queue=0)
+        session.scheduler(max_queue=0)
 
 
 @pytest.mark.parametrize("change, param, message", [
@@ -170,7 +170,7 @@ def test_queue_is_bounded(session):
 ])
 def test_bad_requests_name_the_field_and_the_limit(session, change, param, message):
     r = dataclasses.replace(Request([1, 104, 105], 4), **change)
-    s = Scheduler(session)
+    s = session.scheduler()
     with pytest.raises(RequestError, match=message) as e:
         s.submit(r)
     assert e.value.param == param and s.waiting == 0

@@ -27,7 +27,7 @@ import pytest
 
 import stand_in
 from dsneuron.runtime_min import chat
-from dsneuron.runtime_min.scheduler import Request, Scheduler
+from dsneuron.runtime_min.scheduler import Request
 from dsneuron.runtime_min.session import Session
 
 KEY = "test-key"
@@ -98,7 +98,7 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
 def alone(session: Session, ids: list[int], n: int, **sampling) -> Request:
     """`ids` generated alone: one request through a scheduler of its own."""
     r = Request(ids, n, **sampling)
-    s = Scheduler(session)
+    s = session.scheduler()
     s.submit(r)
     s.run()
     return r

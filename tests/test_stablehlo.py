@@ -260,7 +260,7 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
             else parts.steps.decode(pb.batch, pb.capacity)
         prefill_len = min(b.seq_len for b in plan.buckets if b.kind == "prefill" and b.batch == pb.batch)
         inputs = bucket_inputs(parts.steps, hasher, model_cfg, pb, prefill_len)
-        got = session._executable(pb.kind, pb.batch, pb.length).run(inputs)
+        got = session.runner.executable(pb.kind, pb.batch, pb.length).run(inputs)
         report = compare_outputs(model_cfg, pb.label, graph.outputs, got, eager_outputs(graph.module, inputs))
         measured[pb.label] = logits_within_floor(report)
         assert not [a.name for a in report.outputs if a.zero_mismatch], pb.label
