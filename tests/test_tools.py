@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import codecs
 import json
+import threading
+import time
+from contextlib import contextmanager
 
+import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -188,3 +192,169 @@ def test_malformed_markup_becomes_text_with_a_named_error():
 def test_arguments_round_trip_through_the_prompt_rendering():
     block = "".join(t for t, _ in dsml.render_calls([("c1", "get_weather", CALL["function"]["arguments"])]))
     assert parse(["\n\n" + block], thinking=False)["calls"] == [("get_weather", {"city": "Paris", "days": 2})]
+
+
+# ------------------------------------------------------------------ through the server
+# With random weights the model writes no DSML: a test hook (create_app's request_hook) scripts
+# what a request samples, so the server's parsing and streaming run on a recorded reply. The
+# stand-in (byte tokenizer) is compiled with a context that holds the tools section.
+LONG_COMPILE = {"max_seq_len": 4096, "batch_sizes": [1], "prefill_seq_lens": [4096], "decode_context_lens": [4096]}
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    import io
+
+    from rich.console import Console
+
+    import stand_in
+    from dsneuron.compiler.compile import compile_bundle
+    from dsneuron.runtime_min.session import Session
+
+    root = tmp_path_factory.mktemp("long")
+    kit = stand_in.make_kit(root, LONG_COMPILE)
+    out = compile_bundle(kit.model_cfg, kit.compile_cfg, root / "bundle", kit.parts, cache_dir=root / "cache",
+                         console=Console(file=io.StringIO()))
+    return Session.load(out)
+
+
+class Script:
+    """A request constraint that makes it sample `ids`, then EOS (the test hook)."""
+
+    def __init__(self, ids: list[int], eos: int, vocab: int):
+        self.ids, self.eos, self.vocab, self.k = ids, eos, vocab, 0
+
+    def allowed(self):
+        import torch
+
+        mask = torch.zeros(self.vocab, dtype=torch.bool)
+        mask[self.ids[self.k] if self.k < len(self.ids) else self.eos] = True
+        return mask
+
+    def accept(self, token: int) -> None:
+        self.k += 1
+
+
+@contextmanager
+def served(session, script: str | None = None, **limits):
+    """An in-process server of `session` (127.0.0.1, a free port) whose requests sample `script`
+    (when given); yields (base URL, the Requests it queued)."""
+    import uvicorn
+
+    from dsneuron.runtime_min.server import Engine, Limits, create_app, listen
+
+    seen = []
+
+    def hook(r):
+        seen.append(r)
+        if script is not None:
+            ids = session.tokenizer.encode(script, add_special_tokens=False).ids
+            r.constraint = Script(ids, session.manifest.tokenizer.eos_token_id, session.vocab_size)
+
+    engine = Engine(session, 8)
+    sock = listen("127.0.0.1", 0)
+    app = create_app(engine, "bundle", limits=Limits(**limits), request_hook=hook)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    engine.start()
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", seen
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.stop()
+        sock.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+OPENAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array"}}}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+def streamed(stream) -> dict:
+    """A chat stream's parts: content, reasoning, tool calls (by index), finish reason."""
+    out = {"content": "", "reasoning": "", "calls": {}, "reason": None}
+    for chunk in stream:
+        for c in chunk.choices:
+            d = c.delta
+            out["content"] += d.content or ""
+            out["reasoning"] += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                call = out["calls"].setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+            out["reason"] = c.finish_reason or out["reason"]
+    return out
+
+
+def test_tool_calls_whole_and_streamed_through_the_openai_client(session):
+    reply = REPLY.split("</think>", 1)[1]  # chat mode: no reasoning
+    with served(session, reply) as (url, seen):
+        got = client(url).chat.completions.create(model="bundle", messages=ASK, tools=OPENAI_TOOLS, max_tokens=1000)
+        msg = got.choices[0].message
+        assert got.choices[0].finish_reason == "tool_calls" and msg.content == WANT["content"]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == WANT["calls"]
+        assert len({c.id for c in msg.tool_calls}) == 2
+        # the prompt the engine got: the tools rendered as chat.py renders them
+        tok = session.tokenizer
+        assert seen[0].prompt_ids == [session.manifest.tokenizer.bos_token_id] + chat.encode(
+            ASK, tok, chat.plain_tokenizer(tok), OPENAI_TOOLS)
+        s = streamed(client(url).chat.completions.create(model="bundle", messages=ASK, tools=OPENAI_TOOLS,
+                                                         max_tokens=1000, stream=True))
+        assert s["content"] == WANT["content"] and s["reason"] == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(s["calls"].items())] == WANT["calls"]
+        # tool_choice none: the tools stay out of the prompt and the markup is text
+        got = client(url).chat.completions.create(model="bundle", messages=ASK, tools=OPENAI_TOOLS, tool_choice="none",
+                                                  max_tokens=1000)
+        assert got.choices[0].message.content == reply and not got.choices[0].message.tool_calls
+        assert seen[-1].prompt_ids == [session.manifest.tokenizer.bos_token_id] + chat.encode(
+            ASK, tok, chat.plain_tokenizer(tok))
+
+
+def test_thinking_mode_returns_reasoning_content(session):
+    with served(session, REPLY) as (url, seen):
+        kw = dict(model="bundle", messages=ASK, tools=OPENAI_TOOLS, max_tokens=1000,
+                  extra_body={"chat_template_kwargs": {"thinking": True}})
+        msg = client(url).chat.completions.create(**kw).choices[0].message
+        assert msg.reasoning_content == WANT["reasoning"] and msg.content == WANT["content"]
+        assert len(msg.tool_calls) == 2
+        s = streamed(client(url).chat.completions.create(**kw, stream=True))
+        assert (s["reasoning"], s["content"], len(s["calls"])) == (WANT["reasoning"], WANT["content"], 2)
+        assert session.decode(seen[0].prompt_ids).endswith("<｜Assistant｜><think>")
+
+
+def test_forced_tool_choice_makes_the_random_model_call_the_tool(session):
+    """No script: the grammar (runtime_min/grammar.py) makes the random model write a call (greedy
+    picks no parameter here, so the call ends well within max_tokens)."""
+    with served(session) as (url, _):
+        for choice, names in (("required", {"get_weather", "now"}),
+                              ({"type": "function", "function": {"name": "now"}}, {"now"})):
+            for stream in (False, True):
+                kw = dict(model="bundle", messages=ASK, tools=OPENAI_TOOLS, tool_choice=choice, max_tokens=300,
+                          temperature=0)
+                if stream:
+                    s = streamed(client(url).chat.completions.create(**kw, stream=True))
+                    calls = [(c["name"], c["arguments"]) for _, c in sorted(s["calls"].items())]
+                    assert s["reason"] == "tool_calls" and s["content"] == ""
+                else:
+                    got = client(url).chat.completions.create(**kw).choices[0]
+                    calls = [(c.function.name, c.function.arguments) for c in got.message.tool_calls]
+                    assert got.finish_reason == "tool_calls" and got.message.content is None
+                assert calls and {n for n, _ in calls} <= names
+                assert all(isinstance(json.loads(a), dict) for _, a in calls)
+        for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
+            with pytest.raises(openai.BadRequestError) as e:
+                client(url).chat.completions.create(model="bundle", messages=ASK, tools=OPENAI_TOOLS, tool_choice=choice)
+            assert e.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="bundle", messages=ASK, tool_choice="required")
+        assert e.value.body["param"] == "tool_choice" and "needs tools" in e.value.body["message"]
