@@ -16,6 +16,7 @@ fill_next_token_bitmask / accept_token: mlc-ai/xgrammar:docs/start/quick_start.m
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any, Sequence
 
@@ -85,7 +86,7 @@ class Grammars:
                 return Grammar(self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False),
                                self.vocab_size)
         except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as e:
-            raise GrammarError(f"response_format: the JSON schema cannot be compiled to a grammar ({e})") from None
+            raise GrammarError(f"response_format: the JSON schema cannot be compiled to a grammar ({_why(e)})") from None
 
     def tool_calls(self, functions: Sequence[dict], name: str | None, thinking: bool) -> "Grammar":
         """A reply that is one DSML tool-call block (runtime_min/dsml.py) calling `name` (else any
@@ -113,7 +114,12 @@ class Grammars:
             with self._lock:
                 return Grammar(self._compiler.compile_grammar("\n".join(rules)), self.vocab_size)
         except (RuntimeError, ValueError) as e:
-            raise GrammarError(f"tools: the tool-call grammar cannot be compiled ({e})") from None
+            raise GrammarError(f"tools: the tool-call grammar cannot be compiled ({_why(e)})") from None
+
+
+def _why(e: Exception) -> str:
+    """xgrammar's message without the time and C++ source place it starts with."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
 
 
 def _literal(text: str) -> str:

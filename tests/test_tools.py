@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import codecs
 import json
-import threading
-import time
-from contextlib import contextmanager
 
 import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from dsneuron.runtime_min import chat, dsml
+from in_process import client, served
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -195,11 +193,10 @@ def test_arguments_round_trip_through_the_prompt_rendering():
 
 
 # ------------------------------------------------------------------ through the server
-# With random weights the model writes no DSML: a test hook (create_app's request_hook) scripts
-# what a request samples, so the server's parsing and streaming run on a recorded reply. The
-# stand-in (byte tokenizer) is compiled with a context that holds the tools section.
+# With random weights the model writes no DSML: a test hook (tests/in_process.py `served(script=)`)
+# scripts what a request samples, so the server's parsing and streaming run on a recorded reply.
+# The stand-in (byte tokenizer) is compiled with a context that holds the tools section.
 LONG_COMPILE = {"max_seq_len": 4096, "batch_sizes": [1], "prefill_seq_lens": [4096], "decode_context_lens": [4096]}
-TIMEOUT = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -217,61 +214,6 @@ def session(tmp_path_factory):
     out = compile_bundle(kit.model_cfg, kit.compile_cfg, root / "bundle", kit.parts, cache_dir=root / "cache",
                          console=Console(file=io.StringIO()))
     return Session.load(out)
-
-
-class Script:
-    """A request constraint that makes it sample `ids`, then EOS (the test hook)."""
-
-    def __init__(self, ids: list[int], eos: int, vocab: int):
-        self.ids, self.eos, self.vocab, self.k = ids, eos, vocab, 0
-
-    def allowed(self):
-        import torch
-
-        mask = torch.zeros(self.vocab, dtype=torch.bool)
-        mask[self.ids[self.k] if self.k < len(self.ids) else self.eos] = True
-        return mask
-
-    def accept(self, token: int) -> None:
-        self.k += 1
-
-
-@contextmanager
-def served(session, script: str | None = None, **limits):
-    """An in-process server of `session` (127.0.0.1, a free port) whose requests sample `script`
-    (when given); yields (base URL, the Requests it queued)."""
-    import uvicorn
-
-    from dsneuron.runtime_min.server import Engine, Limits, create_app, listen
-
-    seen = []
-
-    def hook(r):
-        seen.append(r)
-        if script is not None:
-            ids = session.tokenizer.encode(script, add_special_tokens=False).ids
-            r.constraint = Script(ids, session.manifest.tokenizer.eos_token_id, session.vocab_size)
-
-    engine = Engine(session, 8)
-    sock = listen("127.0.0.1", 0)
-    app = create_app(engine, "bundle", limits=Limits(**limits), request_hook=hook)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    engine.start()
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", seen
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        engine.stop()
-        sock.close()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="none", timeout=TIMEOUT, max_retries=0)
 
 
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
