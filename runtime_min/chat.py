@@ -71,9 +71,10 @@ class ChatError(UserError):
         self.param = param
 
 
-def content_text(content: Any, where: str) -> str:
+def content_text(content: Any, where: str, sep: str = "\n") -> str:
     """A message's content as text: a string, or a list of OpenAI content parts of type "text"
-    joined by newlines (as vLLM joins them). Raises ChatError naming `where` otherwise."""
+    joined by `sep` (newlines as vLLM joins them; a tool result's by blank lines, as the encoder's
+    tool_result blocks). Raises ChatError naming `where` otherwise."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -83,7 +84,7 @@ def content_text(content: Any, where: str) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ChatError(f"{where}[{i}]: only text content parts are supported, got {kind!r}", f"{where}[{i}]")
             texts.append(part["text"])
-        return "\n".join(texts)
+        return sep.join(texts)
     raise ChatError(f"{where}: expected a string or a list of text parts", where)
 
 
@@ -209,7 +210,8 @@ def _checked(i: int, m: Any) -> dict:
     call_id = m.get("tool_call_id") or ""
     if not isinstance(call_id, str):
         raise ChatError(f"{where}.tool_call_id: expected a string", f"{where}.tool_call_id")
-    return {"role": role, "content": content_text(m.get("content") or "", f"{where}.content"), "reasoning": reasoning,
+    text = content_text(m.get("content") or "", f"{where}.content", "\n\n" if role == "tool" else "\n")
+    return {"role": role, "content": text, "reasoning": reasoning,
             "tool_calls": parsed, "tool_call_id": call_id}
 
 

@@ -100,7 +100,8 @@ class Limits:
         """UserError naming the flag of a value out of range."""
         for flag, value, low in (("--max-header-count", self.max_headers, 1),
                                  ("--max-header-bytes", self.max_header_bytes, 256),
-                                 ("--request-timeout", self.request_timeout, 0.001), ("--sse-keepalive", self.keepalive, 0.001)):
+                                 ("--request-timeout", self.request_timeout, 0.001),
+                                 ("--sse-keepalive", self.keepalive, 0.001)):
             if not value >= low:
                 raise UserError(f"{flag} must be at least {low}, got {value}")
 
