@@ -343,12 +343,23 @@ def serve_cmd(
                                                     help="the model name clients send [default: the bundle folder's name]"),
     grace_period: float = typer.Option(30.0, "--grace-period", help="seconds from SIGTERM to exit: in-flight requests "
                                                                      "finish or are ended 2 s before it is over"),
+    max_header_count: int = typer.Option(100, "--max-header-count", help="request headers at most; more are answered "
+                                                                         "HTTP 431"),
+    max_header_bytes: int = typer.Option(16384, "--max-header-bytes", help="bytes of request headers (names and "
+                                                                           "values) at most; more are answered HTTP 431"),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="seconds a request may take from arrival "
+                                                                           "(body included) to its end; then HTTP 408"),
+    sse_keepalive: float = typer.Option(15.0, "--sse-keepalive", help="seconds of silence after which a stream gets "
+                                                                      "an SSE comment line"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with continuous batching over its batch buckets; SIGTERM drains and exits 0."""
+    from dsneuron.runtime_min.server import Limits
     from dsneuron.runtime_min.sharded import read_sharded
 
+    limits = Limits(max_header_count, max_header_bytes, request_timeout, sse_keepalive)
+    limits.check()
     if not 0 <= port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {port}")
     if max_queue < 1:
@@ -361,7 +372,7 @@ def serve_cmd(
     if not name:
         raise UserError("--served-model-name is empty")
     job = {"host": host, "port": port, "max_queue": max_queue, "api_key": api_key, "model_name": name,
-           "grace": grace_period}
+           "grace": grace_period, "limits": limits}
     sharded = read_sharded(bundle)
     if sharded is None:
         from dsneuron.runtime_min.server import listen

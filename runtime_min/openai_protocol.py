@@ -14,10 +14,19 @@ param, code}}), with vLLM's OpenAI server where the reference leaves a choice op
 - stop: a string or at most 4 strings, cut from the text;
 - prompt: a string, a list of strings, a list of token ids, or a list of token-id lists (one
   choice each, `index` in order);
+- chat `tools` with `tool_choice` "none" (the tools are left out of the prompt), "auto" (the
+  default with tools), "required" or {"type": "function", "function": {"name": ...}} (the reply
+  is constrained to a call, runtime_min/grammar.py); tool calls come back as the message's
+  `tool_calls` (finish_reason "tool_calls"), streamed as `delta.tool_calls`, one whole call a
+  delta (runtime_min/dsml.py parses the model's markup);
+- thinking mode per request by `chat_template_kwargs: {"thinking": true}` (as vLLM passes a chat
+  template's arguments); the reasoning comes back as `reasoning_content` (message and delta), as
+  DeepSeek's API and vLLM's reasoning parsers return it;
+- `response_format` {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+  ...}}: the reply is constrained to JSON (of the schema) by runtime_min/grammar.py;
 - fields the bundle cannot honour are refused by name unless they hold their neutral value
-  (n > 1, best_of > 1, echo, suffix, logprobs, presence/frequency penalties, logit_bias, tools,
-  a response_format other than text); unknown fields are ignored, as the reference's clients
-  send newer ones.
+  (n > 1, best_of > 1, echo, suffix, logprobs, presence/frequency penalties, logit_bias, the
+  legacy `functions`); unknown fields are ignored, as the reference's clients send newer ones.
 
 Pydantic validates the types; `ProtocolError` (status 400) names the field and the limit.
 """
@@ -32,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsneuron import UserError
 
+from .dsml import Event, ReplyParser
 from .scheduler import MAX_STOP
 
 #: the OpenAI API's largest temperature
@@ -118,12 +128,68 @@ class ChatRequest(_Sampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     functions: Optional[list[Any]] = None
-    tool_choice: Any = None
+    tool_choice: Union[str, dict[str, Any], None] = None
     response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def _neutral(self) -> dict[str, tuple]:
-        return {**super()._neutral(), "logprobs": (False,), "top_logprobs": (None,), "tools": (None, []), "functions": (None, []),
-                "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+        return {**super()._neutral(), "logprobs": (False,), "top_logprobs": (None,), "functions": (None, [])}
+
+    def check_neutral(self) -> None:
+        super().check_neutral()
+        self.forced_tool()
+        self.json_schema()
+        thinking = (self.chat_template_kwargs or {}).get("thinking", False)
+        if not isinstance(thinking, bool):
+            raise ProtocolError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r:.40}",
+                                param="chat_template_kwargs.thinking")
+
+    @property
+    def thinking(self) -> bool:
+        """Thinking mode (`chat_template_kwargs.thinking`)."""
+        return bool((self.chat_template_kwargs or {}).get("thinking", False))
+
+    @property
+    def prompt_tools(self) -> list[Any]:
+        """The tools rendered into the prompt: none when tool_choice is "none"."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    def forced_tool(self) -> Union[bool, str]:
+        """What tool_choice forces: False (none or auto), True (required: some call) or the name
+        of the function to call. ProtocolError naming tool_choice when it is none of the OpenAI
+        forms or names a function that `tools` lacks."""
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return False
+        if not self.tools:
+            raise ProtocolError(f"tool_choice={choice!r:.60} needs tools", param="tool_choice")
+        if choice == "required":
+            return True
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+            raise ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                                f'{{"name": ...}}}}, got {choice!r:.80}', param="tool_choice")
+        names = [t.get("function", {}).get("name") for t in self.tools if isinstance(t, dict)]
+        if name not in names:
+            raise ProtocolError(f"tool_choice names the function {name!r}, which is not in tools ({names!r:.80})",
+                                param="tool_choice")
+        return name
+
+    def json_schema(self) -> Union[None, bool, dict]:
+        """What response_format asks: None (text), True (any JSON object: json_object) or the JSON
+        schema of json_schema. ProtocolError naming response_format otherwise."""
+        rf = self.response_format
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if rf is None or kind == "text":
+            return None
+        if kind == "json_object":
+            return True
+        spec = rf.get("json_schema")
+        if kind == "json_schema" and isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+            return spec.get("schema", {})  # the reference makes the schema optional: any JSON then
+        raise ProtocolError('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                            f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got {rf!r:.80}',
+                            param="response_format")
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
@@ -175,26 +241,80 @@ class Reply:
             out["usage"] = usage_
         return out
 
-    def full(self, texts: list[str], reasons: list[str], usage_: dict) -> dict:
-        """The whole (non-streamed) response."""
+    def full(self, texts: list[str], reasons: list[str], usage_: dict, choices: list["ChatChoice"] | None = None) -> dict:
+        """The whole (non-streamed) response; a chat's messages are its `choices`, fed whole."""
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
-            return self._obj("chat.completion", choices, usage_)
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
-        return self._obj("text_completion", choices, usage_)
+            out = []
+            for i, (c, t, r) in enumerate(zip(choices, texts, reasons)):
+                c.deltas(t)
+                c.finish()
+                out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.reason(r)})
+            return self._obj("chat.completion", out, usage_)
+        out = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+               for i, (t, r) in enumerate(zip(texts, reasons))]
+        return self._obj("text_completion", out, usage_)
 
-    def chunk(self, index: int, piece: str, reason: str | None, first: bool = False) -> dict:
-        """One streamed chunk of choice `index` (a chat chunk's first delta carries the role)."""
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": piece} if first else (
-                {"content": piece} if piece or reason is None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return self._obj("chat.completion.chunk", [choice], None)
+    def chunk(self, index: int, piece: str, reason: str | None) -> dict:
+        """One streamed chunk of completion choice `index`."""
         return self._obj("text_completion", [{"index": index, "text": piece, "logprobs": None,
                                               "finish_reason": reason}], None)
+
+    def delta_chunk(self, index: int, delta: dict, reason: str | None = None) -> dict:
+        """One streamed chunk of chat choice `index`."""
+        return self._obj("chat.completion.chunk", [{"index": index, "delta": delta, "logprobs": None,
+                                                    "finish_reason": reason}], None)
 
     def usage_chunk(self, usage_: dict) -> dict:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         return self._obj("chat.completion.chunk" if self.chat else "text_completion", [], usage_)
+
+
+class ChatChoice:
+    """The assistant message of one chat choice, built as its text arrives: runtime_min/dsml.py's
+    parser splits it into `content`, `reasoning_content` and `tool_calls` (each call an id
+    "call_<hex>" of its own). `deltas(piece)` and then `finish()` give the chunk deltas,
+    `message()` the whole message, `reason(finish_reason)` the OpenAI finish reason ("tool_calls"
+    when the reply ended with calls)."""
+
+    def __init__(self, thinking: bool = False, tools: bool = False):
+        self._parser = ReplyParser(thinking=thinking, tools=tools)
+        self.content, self.reasoning = "", ""
+        self.calls: list[dict] = []
+
+    @property
+    def error(self) -> str | None:
+        """The malformed markup of the reply (runtime_min/dsml.py ReplyParser.error), if any."""
+        return self._parser.error
+
+    def deltas(self, piece: str) -> list[dict]:
+        return self._deltas(self._parser.feed(piece))
+
+    def finish(self) -> list[dict]:
+        return self._deltas(self._parser.finish())
+
+    def _deltas(self, events: list[Event]) -> list[dict]:
+        out = []
+        for e in events:
+            if e.kind == "content":
+                self.content += e.text
+                out.append({"content": e.text})
+            elif e.kind == "reasoning":
+                self.reasoning += e.text
+                out.append({"reasoning_content": e.text})
+            else:
+                call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                        "function": {"name": e.name, "arguments": e.text}}
+                out.append({"tool_calls": [{"index": len(self.calls), **call}]})
+                self.calls.append(call)
+        return out
+
+    def message(self) -> dict:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content if self.content or not self.calls else None}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.calls:
+            msg["tool_calls"] = self.calls
+        return msg
+
+    def reason(self, finish_reason: str) -> str:
+        return "tool_calls" if self.calls and finish_reason == "stop" else finish_reason

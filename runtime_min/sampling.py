@@ -39,8 +39,11 @@ def check_seed(seed: int | None) -> None:
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits fp32 [B, V] -> token ids int64 [B].
+
+    allowed: bool [V] (or [B, V]), the only tokens that may be drawn (a grammar's mask,
+    runtime_min/grammar.py; at least one True a row): the others' logits are -inf first.
 
     temperature 0: argmax (the lowest id among equal maxima). Otherwise p = softmax((logits - max)
     / T) in float64 (module docstring: safe for every positive finite T); top-p keeps the smallest
@@ -49,6 +52,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     `check_params`.
     """
     check_params(temperature, top_p)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     x = logits.double()

@@ -165,7 +165,9 @@ class QueueFull(UserError):
 class Request:
     """One generation. prompt_ids: token ids (BOS included when wanted, `Session.encode`);
     max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/sampling.py (seed
-    None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty).
+    None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty);
+    constraint: what may be sampled next, e.g. a runtime_min/grammar.py Constraint (`allowed()`:
+    bool [V] mask; `accept(token)` after each token but EOS), None for any token.
 
     Filled in as it runs: `generated` (token ids, EOS excluded), `text` (final text so far),
     `sampled` (tokens sampled, EOS included: the OpenAI usage's completion_tokens), `finish_reason`
@@ -181,6 +183,7 @@ class Request:
     stop: Sequence[str] = ()
     listener: Listener | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    constraint: object | None = None
     generated: list[int] = field(default_factory=list, init=False)
     text: str = field(default="", init=False)
     sampled: int = field(default=0, init=False)
@@ -201,6 +204,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def _allowed(self) -> torch.Tensor | None:
+        return None if self.constraint is None else self.constraint.allowed()
 
     def _take(self, piece: str, last: bool) -> str:
         """Add final text; returns what can be emitted now. At the first stop string the request
@@ -393,7 +399,7 @@ class Scheduler:
         self._prefilling = None
         prefilled = r._job.result
         r._job = None  # its state is copied into the row: not kept twice
-        self._accept(r, int(sample(prefilled.logits[:1], r.temperature, r.top_p, r._generator)[0]))
+        self._accept(r, int(sample(prefilled.logits[:1], r.temperature, r.top_p, r._generator, r._allowed())[0]))
         if not r.finished:  # row 0 of the prefill's state into the next free row
             n = len(self._running)
             rows = select.first_fit(self.runner.decode_batches, n + 1)
@@ -419,7 +425,7 @@ class Scheduler:
             raise
         self._state = step.state
         for i, r in enumerate(self._running):
-            self._accept(r, int(sample(step.logits[i:i + 1], r.temperature, r.top_p, r._generator)[0]))
+            self._accept(r, int(sample(step.logits[i:i + 1], r.temperature, r.top_p, r._generator, r._allowed())[0]))
         if self.stats is not None:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.collective_s += collective_seconds() - c0
@@ -444,6 +450,8 @@ class Scheduler:
         if token == self.runner.manifest.tokenizer.eos_token_id:
             self._end(r, "stop")
             return
+        if r.constraint is not None:
+            r.constraint.accept(token)
         r.generated.append(token)
         piece = r._take(r._stream.push(token), last=False)
         if r.finished:  # a stop string

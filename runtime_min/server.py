@@ -1,6 +1,7 @@
 """`dsneuron serve`: the OpenAI HTTP API over the scheduler (FastAPI on uvicorn).
 
-    serve(session, host="127.0.0.1", port=8000, max_queue=128, api_key=None, model_name="artifacts")
+    serve(session, host="127.0.0.1", port=8000, max_queue=128, api_key=None, model_name="artifacts",
+          limits=Limits())
 
 Endpoints (OpenAI API reference; runtime_min/openai_protocol.py for the bodies):
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/chat.py: the
@@ -8,6 +9,18 @@ DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200
 draining, for an in-process drain: SIGTERM closes the socket); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
 tokens, finished requests by reason, rejected requests by status, time to first token, inter-token
 latency and request latency histograms).
+
+Chat requests may carry tools, thinking mode and response_format (runtime_min/openai_protocol.py):
+the prompt is rendered by runtime_min/chat.py, the reply split into content, reasoning and tool
+calls by runtime_min/dsml.py, and a JSON or forced tool-call reply constrained by
+runtime_min/grammar.py (one xgrammar compiler a server, a matcher a request).
+
+Limits (`Limits`, the `serve` flags), each answered with a 4xx naming the flag before anything is
+queued: at most --max-header-count request headers of --max-header-bytes bytes in all (431), the
+body within MAX_BODY bytes (400) and received within --request-timeout seconds (408). A request
+still running --request-timeout seconds after it arrived is ended ("abort"): a whole one is
+answered 408, a stream gets an error event naming the limit. A stream silent for --sse-keepalive
+seconds (a long prefill, a full queue) gets an SSE comment line, so proxies keep it open.
 
 Requests become runtime_min/scheduler.py Requests, stepped by one engine thread (`Engine`); each
 HTTP request waits on an asyncio queue that the engine's listener fills. Errors answer in the
@@ -40,6 +53,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
@@ -52,7 +66,9 @@ from starlette.exceptions import HTTPException
 from dsneuron import UserError
 
 from . import chat
-from .openai_protocol import ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists, usage
+from .grammar import GrammarError, Grammars
+from .openai_protocol import (ChatChoice, ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists,
+                              usage)
 from .scheduler import QueueFull, Request, RequestError, Scheduler
 from .session import Session
 
@@ -67,6 +83,50 @@ SHUTDOWN_S = 2.0
 POLL_S = 0.25
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                     40.0, 80.0)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The per-request limits of a server (module docstring): max_headers (count), max_header_bytes
+    (names and values summed), request_timeout (seconds from arrival to the end), keepalive
+    (seconds of stream silence before an SSE comment)."""
+
+    max_headers: int = 100
+    max_header_bytes: int = 16384
+    request_timeout: float = 600.0
+    keepalive: float = 15.0
+
+    def check(self) -> None:
+        """UserError naming the flag of a value out of range."""
+        for flag, value, low in (("--max-header-count", self.max_headers, 1),
+                                 ("--max-header-bytes", self.max_header_bytes, 256),
+                                 ("--request-timeout", self.request_timeout, 0.001),
+                                 ("--sse-keepalive", self.keepalive, 0.001)):
+            if not value >= low:
+                raise UserError(f"{flag} must be at least {low}, got {value}")
+
+
+class HeaderLimits:
+    """ASGI middleware: 431 naming the flag for a request with more headers, or more header
+    bytes, than `limits` allow, before the app sees it."""
+
+    def __init__(self, app, limits: Limits, on_reject: Callable[[int], None]):
+        self.app, self.limits, self.on_reject = app, limits, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = scope.get("headers") or []
+            size = sum(len(k) + len(v) for k, v in headers)
+            why = (f"{len(headers)} request headers; this server takes at most {self.limits.max_headers} "
+                   "(--max-header-count)" if len(headers) > self.limits.max_headers else
+                   f"the request headers have {size} bytes; this server takes at most {self.limits.max_header_bytes} "
+                   "(--max-header-bytes)" if size > self.limits.max_header_bytes else None)
+            if why is not None:
+                self.on_reject(431)
+                err = ProtocolError(why, 431, param="headers", code="headers_too_large")
+                await JSONResponse(err.body(), status_code=431)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class Closed(UserError):
@@ -294,11 +354,15 @@ def follow(session: Session, channel: Channel) -> None:
             del live[rid]
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app of `engine` serving `model_name` (module docstring)."""
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, limits: Limits = Limits(),
+               request_hook: Callable[[Request], None] | None = None) -> FastAPI:
+    """The FastAPI app of `engine` serving `model_name` (module docstring). request_hook: called
+    with each Request before it is queued (tests script what a request samples through it)."""
     app = FastAPI(title="dsneuron", docs_url=None, redoc_url=None, openapi_url=None)
     session = engine.session
     metrics = engine.metrics
+    app.add_middleware(HeaderLimits, limits=limits, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
+    grammars = Grammars(session.tokenizer, session.vocab_size, session.manifest.tokenizer.eos_token_id)
 
     def fail(e: ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
         metrics.rejected.labels(str(e.status)).inc()
@@ -381,9 +445,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return await _generate(request, chat_kind=True)
 
     async def _generate(request: HTTPRequest, chat_kind: bool) -> Response:
+        deadline = time.monotonic() + limits.request_timeout
         try:
             check_key(request)
-            body = parse(ChatRequest if chat_kind else CompletionRequest, await read_json(request))
+            try:
+                raw = await asyncio.wait_for(read_json(request), limits.request_timeout)
+            except TimeoutError:
+                raise ProtocolError(f"the request body did not arrive within {limits.request_timeout:g} s "
+                                    "(--request-timeout)", 408, param="body", code="request_timeout") from None
+            body = parse(ChatRequest if chat_kind else CompletionRequest, raw)
             check_model(body.model)
             prompts = _prompt_ids(body, chat_kind)
             loop = asyncio.get_running_loop()
@@ -401,18 +471,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             return fail(ProtocolError(str(e), 503, type="service_unavailable", code="shutting_down"))
         metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         reply = Reply(model_name, chat_kind)
+        choices = [ChatChoice(body.thinking, bool(body.prompt_tools)) for _ in reqs] if chat_kind else []
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(reply, reqs, queue, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await _whole(request, reply, reqs, queue)
+            return StreamingResponse(_stream(reply, reqs, queue, include_usage, choices, deadline),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(request, reply, reqs, queue, choices, deadline)
 
     plain = chat.plain_tokenizer(session.tokenizer)
 
     def _prompt_ids(body: Any, chat_kind: bool) -> list[list[int]]:
         if chat_kind:
             try:
-                return [[session.manifest.tokenizer.bos_token_id] + chat.encode(body.messages, session.tokenizer, plain)]
+                return [[session.manifest.tokenizer.bos_token_id] + chat.encode(
+                    body.messages, session.tokenizer, plain, body.prompt_tools, body.thinking)]
             except chat.ChatError as e:
                 raise ProtocolError(str(e), param=e.param) from None
             except UnicodeEncodeError as e:
@@ -436,20 +508,53 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 out.append(p)
         return out
 
+    def _grammar(body: Any):
+        """The grammar a chat reply must follow (runtime_min/grammar.py), None for free text."""
+        schema, forced = body.json_schema(), body.forced_tool()
+        if schema is None and forced is False:
+            return None
+        if engine._channel is not None:  # the other ranks sample without the matcher: they would diverge
+            raise ProtocolError("response_format and a forced tool_choice are not supported with a sharded bundle",
+                                param="response_format" if schema is not None else "tool_choice")
+        if schema is not None and forced is not False:
+            raise ProtocolError("response_format json and a forced tool_choice exclude each other: the reply is "
+                                "either JSON or a tool call", param="response_format")
+        try:
+            if schema is not None:
+                return grammars.json_schema(schema)
+            return grammars.tool_calls(chat.functions(body.tools), None if forced is True else forced, body.thinking)
+        except GrammarError as e:
+            raise ProtocolError(str(e), param="response_format" if schema is not None else "tools") from None
+        except chat.ChatError as e:
+            raise ProtocolError(str(e), param=e.param) from None
+
     def _requests(body: Any, prompts: list[list[int]], chat_kind: bool, loop, queue) -> list[Request]:
         max_tokens = body.max_completion_tokens if chat_kind and body.max_completion_tokens is not None else body.max_tokens
+        grammar = _grammar(body) if chat_kind else None
         out = []
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, session.max_capacity - len(ids) + 1)
             seed = body.seed if body.seed is not None else secrets.randbits(64)
-            out.append(Request(ids, n, body.temperature, body.top_p, seed, body.stops(),
-                               listener=engine.listener(loop, queue, i)))
+            r = Request(ids, n, body.temperature, body.top_p, seed, body.stops(), listener=engine.listener(loop, queue, i),
+                        constraint=None if grammar is None else grammar.constraint())
+            if request_hook is not None:
+                request_hook(r)
+            out.append(r)
         return out
 
-    async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue) -> Response:
+    def timed_out(reqs: list[Request]) -> ProtocolError:
+        for r in reqs:
+            engine.cancel(r)
+        return ProtocolError(f"the request ran past the time limit of {limits.request_timeout:g} s (--request-timeout)",
+                             408, code="request_timeout")
+
+    async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue,
+                     choices: list[ChatChoice], deadline: float) -> Response:
         try:
             pending, checked = len(reqs), time.monotonic()
             while pending:
+                if time.monotonic() > deadline:
+                    return fail(timed_out(reqs))
                 try:
                     _, _, reason = await asyncio.wait_for(queue.get(), POLL_S)
                     pending -= reason is not None
@@ -471,24 +576,45 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if engine.draining and all(r.finish_reason == "abort" and r.sampled == 0 for r in reqs):
             return fail(ProtocolError("the server shut down before this request got a row; retry it elsewhere", 503,
                                       type="service_unavailable", code="shutting_down"))
-        return JSONResponse(reply.full([r.text for r in reqs], [r.finish_reason for r in reqs],
-                                       total_usage(reqs)))
+        out = reply.full([r.text for r in reqs], [r.finish_reason for r in reqs], total_usage(reqs), choices)
+        for c in choices:
+            if c.error:
+                log.warning("%s: malformed tool-call markup, returned as text: %s", reply.id, c.error)
+        return JSONResponse(out)
 
-    async def _stream(reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool,
+                      choices: list[ChatChoice], deadline: float) -> AsyncIterator[str]:
         def event(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         try:
             if reply.chat:
-                yield event(reply.chunk(0, "", None, first=True))
+                yield event(reply.delta_chunk(0, {"role": "assistant", "content": ""}))
             pending = len(reqs)
             while pending:
-                index, piece, reason = await queue.get()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    yield event(timed_out(reqs).body())
+                    break
+                try:
+                    index, piece, reason = await asyncio.wait_for(queue.get(), min(left, limits.keepalive))
+                except TimeoutError:
+                    yield ": keepalive\n\n"
+                    continue
                 pending -= reason is not None
                 if reason == "error":
                     yield event(ProtocolError(f"generation failed: {reqs[index].error}", 500, type="server_error").body())
-                elif piece or reason is not None:
-                    yield event(reply.chunk(index, piece, reason))
+                elif not reply.chat:
+                    if piece or reason is not None:
+                        yield event(reply.chunk(index, piece, reason))
+                else:
+                    c = choices[index]
+                    for delta in c.deltas(piece) + (c.finish() if reason is not None else []):
+                        yield event(reply.delta_chunk(index, delta))
+                    if reason is not None:
+                        if c.error:
+                            log.warning("%s: malformed tool-call markup, streamed as text: %s", reply.id, c.error)
+                        yield event(reply.delta_chunk(index, {}, c.reason(reason)))
             if include_usage:
                 yield event(reply.usage_chunk(total_usage(reqs)))
             yield "data: [DONE]\n\n"
@@ -524,7 +650,8 @@ class _Server(uvicorn.Server):
 
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 128,
           api_key: str | None = None, model_name: str = "dsneuron", grace: float = 30.0,
-          ready: Callable[[str], None] | None = None, sock: socket.socket | None = None) -> None:
+          ready: Callable[[str], None] | None = None, sock: socket.socket | None = None,
+          limits: Limits = Limits()) -> None:
     """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
     a free one; `sock`: a socket `listen` bound already (host and port are then its). ready(url) is
     called once the socket listens. Raises UserError for an address that cannot be bound; after
@@ -541,9 +668,12 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
             follow(session, channel)
             return
     engine = Engine(session, max_queue, channel)
-    app = create_app(engine, model_name, api_key)
+    app = create_app(engine, model_name, api_key, limits)
     sock = sock or listen(host, port)
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(grace) + 5)
+    # h11 refuses (400) a request line and headers past its own bound: keep it above --max-header-bytes so
+    # HeaderLimits answers first, naming the flag
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=int(grace) + 5,
+                            h11_max_incomplete_event_size=limits.max_header_bytes + 16384)
     server = _Server(config, lambda: engine.drain(grace))
     engine.start()
     try:

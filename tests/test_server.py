@@ -13,6 +13,7 @@ from http.client import HTTPConnection
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ import pytest
 
 import stand_in
 from dsneuron.runtime_min import chat
+from in_process import client, served
 from dsneuron.runtime_min.scheduler import Request
 from dsneuron.runtime_min.session import Session
 
@@ -255,7 +257,7 @@ def test_bad_chat_requests_and_bodies(server, session):
                                                                  {"role": "assistant", "content": "b"}])
     assert e.value.body["param"] == "messages[1].role"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="bundle", messages=[{"role": "tool", "content": "a"}])
+        client.chat.completions.create(model="bundle", messages=[{"role": "function", "name": "f", "content": "a"}])
     assert "messages[0].role" in e.value.body["message"]
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     status, text = http("POST", f"{server.url}/completions", b'{"model": "bundle", "prompt": ', headers)
@@ -452,6 +454,10 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(bundle):
     (["--max-queue", "0"], "--max-queue must be a positive integer"),
     (["--api-key", " "], "--api-key is empty"),
     (["--host", "not-a-host.invalid"], "--host not-a-host.invalid"),
+    (["--max-header-count", "0"], "--max-header-count must be at least 1"),
+    (["--max-header-bytes", "10"], "--max-header-bytes must be at least 256"),
+    (["--request-timeout", "0"], "--request-timeout must be at least"),
+    (["--sse-keepalive", "-1"], "--sse-keepalive must be at least"),
 ])
 def test_bad_serve_flags_exit_2(bundle, flags, words):
     cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "serve", str(bundle), *flags]
@@ -499,3 +505,53 @@ def test_bench_serve_rates_count_tokens_after_the_first():
     assert _pct([5.0, 1.0, 3.0], 50) == 3.0 and _pct([5.0, 1.0, 3.0], 99) == 5.0
     jobs = mix(64, 64)
     assert len(jobs) == 64 and all(8 <= n <= 64 and p for p, n in jobs) and len({n for _, n in jobs}) > 10
+
+
+# ------------------------------------------------------------------ limits (runtime_min/server.py Limits)
+def test_header_limits_are_431_naming_the_flag_before_anything_is_queued(session):
+    body = json.dumps({"model": "bundle", "prompt": "a", "max_tokens": 2}).encode()
+    with served(session, max_headers=20, max_header_bytes=2048) as (url, seen):
+        many = {f"X-H{i}": "1" for i in range(30)}
+        status, text = http("POST", f"{url}/completions", body, {"Content-Type": "application/json", **many})
+        assert status == 431 and "--max-header-count" in text and json.loads(text)["error"]["param"] == "headers"
+        status, text = http("POST", f"{url}/completions", body, {"Content-Type": "application/json", "X-Big": "x" * 4000})
+        assert status == 431 and "--max-header-bytes" in text
+        assert seen == []
+        status, _ = http("POST", f"{url}/completions", body, {"Content-Type": "application/json", **dict(list(many.items())[:5])})
+        assert status == 200
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(session):
+    with served(session, request_timeout=0.5) as (url, seen):
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port), timeout=TIMEOUT) as sock:
+            sock.sendall(f"POST {parts.path}/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 100\r\n\r\n{".encode())
+            answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408") and "--request-timeout" in answer and seen == []
+
+
+def test_a_request_past_the_time_limit_is_ended(session):
+    """A slow model (0.05 s a token): 100 tokens outlive a 0.5 s limit; the rows are freed."""
+    with served(session, delay=0.05, request_timeout=0.5) as (url, seen):
+        c = client(url)
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model="bundle", prompt="hello", max_tokens=100)
+        assert e.value.status_code == 408 and "--request-timeout" in e.value.body["message"]
+        with pytest.raises(openai.APIError) as e:
+            list(c.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "hi"}], max_tokens=80,
+                                           stream=True))
+        assert "--request-timeout" in str(e.value)
+        assert _until(lambda: all(r.finish_reason == "abort" for r in seen), 5.0)
+
+
+def test_a_silent_stream_gets_keepalive_comments(session):
+    """0.3 s a token and a 0.1 s keepalive: comment lines between the chunks, which the openai
+    client skips."""
+    with served(session, delay=0.3, keepalive=0.1) as (url, _):
+        body = json.dumps({"model": "bundle", "prompt": "hello", "max_tokens": 3, "temperature": 0, "stream": True})
+        status, text = http("POST", f"{url}/completions", body.encode(), {"Content-Type": "application/json"})
+        assert status == 200 and text.count(": keepalive\n\n") >= 3 and text.endswith("data: [DONE]\n\n")
+        want = alone(session, session.encode("hello"), 3).text
+        stream = client(url).completions.create(model="bundle", prompt="hello", max_tokens=3, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == want
