@@ -9,10 +9,19 @@ reference/deepseek_v4_arch.md sections 2 and 7. Where this module differs on pur
 - Static shapes. The reference slices caches to the live length and asks top-k for
   `min(index_topk, compress_len)`; here every tensor has its bucket shape, unreachable positions are
   masked to -inf and unused index slots are -1. Trailing -1 slots are exactly neutral in the online
-  softmax. The prefill index list keeps the reference's layout (`Attention.join_prefill_index`):
-  its window part is min(L, window_size) wide for a prompt of L tokens, whatever the bucket, so
-  the compressed keys fall in the reference's 64-key blocks and a padded prompt runs bit for bit
-  like the unpadded one.
+  softmax.
+- One index-list layout for prefill, decode and chunk, unlike the reference's prefill. For a query
+  at position i the window part is W slots, slot j holding position i-W+1+j (-1 before position
+  0), and the compressed part follows at offset W. The reference's prefill list
+  (get_window_topk_idxs) is min(L, W) wide, the window positions first, so for a prompt of L
+  tokens the compressed keys start at min(L, W) there but at W in its decode: the same key set
+  in other 64-key blocks of the online softmax (`sparse_attn`), so the same attention up to the
+  blocks' rounding, a deviation of the GEMM-order floor's kind (tiny, W = 128: prefill row i
+  differed from decode at i in low bits). With one layout, prefill row i is bit-identical to a
+  decode step at i and to row i of a prefill of any other length: what a prefix cache (a
+  snapshot after a prefix, continued by a chunk) and a speculative verify (a chunk checked
+  against the decode steps it stands for) need. The width never depends on L, so a padded prompt
+  runs bit for bit like the unpadded one.
 - One tie rule for every top-k (indexer, candidate blocks, MoE): a stable descending sort, so among
   equal scores the lower position (expert id) wins. `torch.topk` leaves the order unspecified and
   the bf16 indexer scores tie often.
@@ -453,8 +462,8 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     row- then column-normalisation, all fp32 (reference/deepseek_v4_arch.md section 2,
     hc_split_sinkhorn; official kernel.py hc_split_sinkhorn_kernel).
     """
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    pre = row_sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * row_sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
     comb = comb / comb.sum(dim=-1, keepdim=True) + eps
@@ -578,8 +587,11 @@ class Compressor(nn.Module):
     def prefill(self, x: torch.Tensor, valid_len: torch.Tensor, kv_state: torch.Tensor | None, score_state: torch.Tensor | None):
         """x bf16 [B,S,D] -> (latent bf16 [B, S//r, hd], kv_state', score_state' fp32 [B,r,hd] or None).
 
-        Groups j < valid_len//r are real; the trailing partial group of each row goes into the state
-        slots pos % r, the other slots keep their fresh values (0 / -inf).
+        Groups j < valid_len//r are real. The state ends as valid_len decode steps leave it: slot s
+        holds the newest position t < valid_len with t % r == s (the trailing partial group, then
+        the tokens of the last complete group, dead until overwritten), fresh (0 / -inf) where no
+        position reached it; so a prefill's state is the decode steps' bit for bit (a prefix
+        snapshot continued by decode steps or a chunk equals the longer prefill).
         """
         r = self.ratio
         if r == 1:
@@ -590,10 +602,9 @@ class Compressor(nn.Module):
         G = S // r
         pooled = (kv[:, :G * r].unflatten(1, (G, r)) * score[:, :G * r].unflatten(1, (G, r)).softmax(dim=2)).sum(dim=2)
         latent = self.norm(pooled.to(x.dtype))
-        # slot s of row b holds position (valid_len//r)*r + s when that is a real token
-        src = (valid_len // r * r).unsqueeze(1) + torch.arange(r, device=x.device)  # [B, r]
-        live = (src < valid_len.unsqueeze(1)).unsqueeze(-1)
-        gather = src.clamp(max=S - 1).unsqueeze(-1).expand(B, r, kv.size(-1))
+        src = newest_positions(torch.zeros_like(valid_len), valid_len, r)  # [B, r]
+        live = (src >= 0).unsqueeze(-1)
+        gather = src.clamp(0, S - 1).unsqueeze(-1).expand(B, r, kv.size(-1))
         kv_state = torch.where(live, kv.gather(1, gather), kv_state)
         score_state = torch.where(live, score.gather(1, gather), score_state)
         return latent, kv_state, score_state
@@ -783,10 +794,11 @@ class Attention(nn.Module):
             live = (src >= 0).unsqueeze(-1)
             ring = state_bytes(kv_raw.gather(1, src.clamp(0, S - 1).unsqueeze(-1).expand(B, W, hd)), fmt)
             new[name] = torch.where(live, ring, torch.zeros_like(ring))
-            # query i sees positions max(0, i-W+1) .. i of this call, oldest first (get_window_topk_idxs)
+            # query i's slot j holds position i-W+1+j (-1 before position 0): decode's list at
+            # position i, over this call's rows (the model docstring: one layout everywhere)
             q_pos = torch.arange(S, device=kv.device).unsqueeze(1)
-            idx = (q_pos - W + 1).clamp(min=0) + slots
-            idx = torch.where(idx > q_pos, -1, idx)
+            idx = q_pos - W + 1 + slots
+            idx = torch.where(idx < 0, -1, idx)
             return kv, idx.to(torch.int32).unsqueeze(0).expand(B, S, W)
         if ctx.chunk:
             return self._window_chunk(kv, kv_raw, ctx, state, new)
@@ -794,7 +806,8 @@ class Attention(nn.Module):
         ring = write_slot(state[name], state_bytes(kv_raw, fmt), ctx.pos % W)
         new[name] = ring
         ring = state_values(ring, hd, fmt)
-        # the whole ring, oldest first; slots not yet written (ring still filling) are -1
+        # the whole ring, oldest first: slot j of the list holds position p-W+1+j, at ring slot
+        # (p+1+j) % W; positions before 0 (ring still filling) are -1
         p = ctx.pos.unsqueeze(1)
         idx = (p % W + 1 + slots) % W
         idx = torch.where(idx > p, -1, idx)
@@ -887,26 +900,6 @@ class Attention(nn.Module):
         return state_values(rows, cfg.head_dim, COMPRESS_KV_FORMAT), picked
 
     @staticmethod
-    def join_prefill_index(widx: torch.Tensor, cidx: torch.Tensor, valid_len: torch.Tensor, window: int) -> torch.Tensor:
-        """The prefill index list laid out as the reference's (model.py get_window_topk_idxs, then
-        the compressed part): the window part min(L, W) wide, then the compressed entries, -1 at
-        the end. widx int32 [1 or B, S, W] (query i: positions max(0, i-W+1)..i, -1 past i),
-        cidx int32 [B, S, K], valid_len [B] (L) -> int32 [B, S, W + K].
-
-        The window slots at or past L hold -1 for every real query, so dropping them changes only
-        where the compressed keys start; that decides their 64-key block of the online softmax
-        (and so the running max P is rounded against), which is why it must match the reference.
-        It depends on L, not on the bucket's seq_len, so a padded prompt keeps the unpadded layout;
-        trailing -1 slots are exactly neutral."""
-        B, S, K = cidx.shape
-        width = valid_len.clamp(max=window).view(B, 1, 1)  # min(L, W)
-        pad = torch.full((B, S, window), -1, dtype=cidx.dtype, device=cidx.device)
-        full = torch.cat([widx.expand(B, S, window), cidx, pad], dim=-1)  # [B, S, 2W + K]
-        t = torch.arange(window + K, device=cidx.device)
-        src = torch.where(t < width, t, t + (window - width))  # [B, 1, W + K]
-        return full.gather(-1, src.expand(B, S, window + K).contiguous())
-
-    @staticmethod
     def _write(cache: torch.Tensor, rows: torch.Tensor, write: torch.Tensor, slot0: torch.Tensor | None) -> torch.Tensor:
         """cache [B,C,X] with rows [B,G,X] written at slots 0..G-1 (prefill, slot0 None) or at slot0[B]
         (decode, G == 1), only where write [B,G] is True."""
@@ -970,10 +963,9 @@ class Attention(nn.Module):
         if self.ratio:
             ckv, cidx = self._compressed(x, qr, ctx, keys.size(1), state, new, shared)
             keys = torch.cat([keys, ckv], dim=1)
-            if ctx.prefill:
-                idx = self.join_prefill_index(idx, cidx, ctx.valid_len, cfg.window_size)
-            else:
-                idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
+            # the compressed part at offset W in every step kind: each index keeps its 64-key
+            # block of the online softmax whatever the prompt length (the model docstring)
+            idx = torch.cat([idx.expand(B, S, -1), cidx], dim=-1)
         _cap(ctx.capture, f"layers.{L}.attn.idx", idx)
         if NUMERICS.gemm_order == "kernel":  # the cpu kernel: fixed fp32 order, its own exp (kernels_nki/cpu_attn.py)
             from dsneuron.kernels_nki import cpu_attn  # builds the kernels on first use
@@ -1021,6 +1013,30 @@ def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt().float()
 
 
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [...] -> fp32 [...]: 1 / (1 + exp(-x)), each element's value independent of the
+    tensor's size. Eager ATen's fp32 sigmoid computes whole vectors with a fast exp and the tail of
+    the tensor with the scalar one, one ulp apart for 4% of the values on an AVX512 host; in a
+    [B,S,hc] tensor whether row i falls in the tail depends on S, so the mHC and engram gates of
+    prefill row i changed with the prompt length (and from decode's). Its exp has one result on
+    both paths (0 of 4M values differ), and the add and divide are IEEE. GEMM order "fused" (the
+    neuron steps) keeps the op."""
+    if NUMERICS.gemm_order == "fused":
+        return torch.sigmoid(x)
+    return 1 / (1 + torch.exp(-x))
+
+
+def row_softplus(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 [...] -> fp32 [...]: log1p(exp(x)) (x itself above 20, as F.softplus), each element's
+    value independent of the tensor's size, for the reason of `row_sigmoid` (F.softplus: 10% of
+    the values one ulp apart between its vector and scalar paths; exp and log1p: none). The
+    router's scores [N, n_experts] put a row in the tail or not depending on N. GEMM order "fused"
+    keeps the op."""
+    if NUMERICS.gemm_order == "fused":
+        return F.softplus(x)
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+
+
 class Expert(nn.Module):
     """SwiGLU FFN with the V4.1 clamps (up to [-limit, limit], gate to <= limit); the routing weight
     multiplies the fp32 activation before the bf16 cast and w2 (model.py Expert)."""
@@ -1060,9 +1076,9 @@ class Gate(nn.Module):
         if cfg.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif cfg.score_func == "sigmoid":
-            scores = scores.sigmoid()
+            scores = row_sigmoid(scores)
         else:
-            scores = ieee_sqrt(F.softplus(scores))
+            scores = ieee_sqrt(row_softplus(scores))
         indices = stable_topk_indices(scores + self.bias, self.topk)
         weights = scores.gather(1, indices)
         if cfg.norm_topk_prob and self.topk > 1:
@@ -1231,7 +1247,7 @@ class Engram(nn.Module):
         # normalised per (token, hc copy) over D, not jointly over the copies
         rstd = torch.rsqrt(hf.square().mean(-1) + cfg.norm_eps) * torch.rsqrt(key.square().mean(-1) + cfg.norm_eps)
         dot = (hf * weight * key).sum(-1) * rstd * D ** -0.5
-        gate = torch.sigmoid(torch.copysign(ieee_sqrt(dot.abs().clamp_min(1e-6)), dot))
+        gate = row_sigmoid(torch.copysign(ieee_sqrt(dot.abs().clamp_min(1e-6)), dot))
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 
