@@ -1,7 +1,7 @@
 """The main-job benchmark: the compiled bundle next to the eager golden model, from one run.
 
     python -m dsneuron.compiler.bench [--config tiny] [--work DIR] [--repeats 3] [--decode 16] [--json OUT]
-        [--prompts short,medium,long] [--no-doubled] [--no-eager] [--batch-sizes 1,2,4,8]
+        [--prompts short,medium,long] [--no-doubled] [--no-eager] [--batch-sizes 1,2,4,8] [--numerics exact,fast]
 
 Measures, on this host and in this order, each in a child process (so one measurement's memory and
 caches do not count in another's):
@@ -26,6 +26,11 @@ caches do not count in another's):
    FMA peak (kernels_nki/cpu_bench.py), measured in the same child;
 7. the decode step alone at each of --batch-sizes (a second bundle with those batch buckets,
    compiled from the warm cache, not timed; compiler/bench_serve.py `decode_step_times`).
+With --numerics naming several cpu kernel numerics (graphs.config.NUMERICS_MODES), items 1-3 and 6-7
+run for the first as above, and each other one gets its own cold compile, bundle measurement (2, 5,
+6: each child measures torch.mm and the FMA peak beside its own prefill) and batch buckets (7); a
+last table puts the modes side by side: compile, prefill GFLOP/s against torch.mm bf16 on the same
+shapes and the FMA peak, decode tok/s against the weight-read roofline, rows/s per batch bucket.
 Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for sizes. Both
 run children use torch's default thread count, printed with the figures. Absolute times on a
 shared machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
@@ -34,6 +39,7 @@ shared machine are noisy; the ratios, measured side by side in one run, are the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -114,6 +120,7 @@ def _measure_compile(args: dict) -> dict:
     from dsneuron.compiler.config import load_config
 
     model_cfg, compile_cfg, _ = load_config(args["config"])
+    compile_cfg = dataclasses.replace(compile_cfg, numerics=args.get("numerics", compile_cfg.numerics))
     t0 = time.perf_counter()
     parts = build_steps_for_config(model_cfg, compile_cfg, Path(args["cache"]))
     compile_bundle(model_cfg, compile_cfg, Path(args["out"]), parts, force=True, cache_dir=Path(args["cache"]),
@@ -275,25 +282,28 @@ def _child(kind: str, args: dict, env: dict[str, str] | None = None) -> dict:
     return out
 
 
-def _cold_compile(config: str, work: Path, name: str) -> dict:
+def _cold_compile(config: str, work: Path, name: str, numerics: str | None = None) -> dict:
     """Compile `config` into work/<name> from an empty dsneuron cache (its checkpoints kept) and a
-    fresh Inductor cache; returns the child's figures plus the cache folders used."""
+    fresh Inductor cache, in kernel numerics `numerics` (None: the config's); returns the child's
+    figures plus the cache folders used."""
     cache = work / f"cache-{name}"
     for sub in ("entries", "aliases"):
         shutil.rmtree(cache / sub, ignore_errors=True)
     inductor = work / f"inductor-{name}-{uuid.uuid4().hex[:8]}"
-    args = {"config": config, "cache": str(cache), "out": str(work / name)}
+    args = {"config": config, "cache": str(cache), "out": str(work / name), **({"numerics": numerics} if numerics else {})}
     return {**_child("compile", args, {"TORCHINDUCTOR_CACHE_DIR": str(inductor)}), "cache": str(cache),
             "inductor": str(inductor)}
 
 
 def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
         names: tuple[str, ...] = ("short", "medium", "long"), doubled: bool = True,
-        batch_sizes: tuple[int, ...] = (1, 2, 4, 8), eager: bool = True) -> dict:
+        batch_sizes: tuple[int, ...] = (1, 2, 4, 8), eager: bool = True, numerics: tuple[str, ...] = ()) -> dict:
     """The whole benchmark (module docstring); returns every figure as plain data. doubled: also
     time the cold compile of `doubled_layers`; batch_sizes: the decode batch buckets of item 5
     (empty: skipped); eager: also time the eager golden model (item 3; at V4.1 widths it holds
-    float64 weight copies and takes minutes a prompt)."""
+    float64 weight copies and takes minutes a prompt); numerics: the kernel numerics to measure,
+    the first as the main figures ((): the config's only). "modes" holds each one's compile,
+    bundle and batch figures."""
     from dsneuron.compiler.bench_serve import compile_with
     from dsneuron.compiler.buckets import PlannedBucket
     from dsneuron.compiler.config import load_config
@@ -303,6 +313,7 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
     from dsneuron.graphs.tokenizer import load_tokenizer
 
     model_cfg, compile_cfg, raw = load_config(config)
+    numerics = numerics or (compile_cfg.numerics,)
     work = work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = checkpoint_for(model_cfg, compile_cfg, work / "cache-bundle")
@@ -312,11 +323,11 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
         cfg2, ccfg2, _ = load_config(str(doubled_path))
         checkpoint_for(cfg2, ccfg2, work / "cache-doubled")  # made before its compile is timed
 
-    console.print("compiling cold ...")
-    cold = _cold_compile(config, work, "bundle")
+    console.print(f"compiling cold ({numerics[0]} numerics) ...")
+    cold = _cold_compile(config, work, "bundle", numerics[0])
     console.print("compiling warm ...")
-    warm = _child("compile", {"config": config, "cache": cold["cache"], "out": str(work / "bundle-warm")},
-                  {"TORCHINDUCTOR_CACHE_DIR": cold["inductor"]})
+    warm = _child("compile", {"config": config, "cache": cold["cache"], "out": str(work / "bundle-warm"),
+                              "numerics": numerics[0]}, {"TORCHINDUCTOR_CACHE_DIR": cold["inductor"]})
     cold2 = None
     if doubled:
         console.print(f"compiling the {cfg2.n_layers}-layer config cold ...")
@@ -328,19 +339,34 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
                             " Nobody on the quay", add_special_tokens=False).ids[:n_decode]
     args = {"config": config, "checkpoint": str(checkpoint), "bundle": str(work / "bundle"), "prompts": prompts,
             "decode_ids": decode_ids, "repeats": repeats, "model": model_cfg.to_dict()}
-    console.print("measuring the bundle ...")
+    def batch_steps(mode: str, cache: str, name: str) -> dict[int, float]:
+        if not batch_sizes:
+            return {}
+        over = {"batch_sizes": list(batch_sizes), "prefill_seq_lens": [min(compile_cfg.prefill_seq_lens or [128])],
+                "chunked_prefill": False, "numerics": mode}
+        console.print(f"compiling decode batch buckets {list(batch_sizes)}, {mode} numerics (cache warm for batch 1) ...")
+        bundle_b = compile_with(config, work / name, over, console, cache_dir=Path(cache))
+        return _child("batches", {"bundle": str(bundle_b), "repeats": max(repeats, 5)})["decode_step_s"]
+
+    console.print(f"measuring the bundle ({numerics[0]} numerics) ...")
     compiled = _child("bundle", args)
     eager_r = None
     if eager:
         console.print("measuring the eager golden model ...")
         eager_r = _child("eager", args)
-    batches = {}
-    if batch_sizes:
-        over = {"batch_sizes": list(batch_sizes), "prefill_seq_lens": [min(compile_cfg.prefill_seq_lens or [128])],
-                "chunked_prefill": False}
-        console.print(f"compiling decode batch buckets {list(batch_sizes)} (cache warm for batch 1) ...")
-        bundle_b = compile_with(config, work / "bundle-batches", over, console, cache_dir=Path(cold["cache"]))
-        batches = _child("batches", {"bundle": str(bundle_b), "repeats": max(repeats, 5)})["decode_step_s"]
+    batches = batch_steps(numerics[0], cold["cache"], "bundle-batches")
+    modes = {numerics[0]: {"compile_cold_s": cold["seconds"], "compiled": compiled, "decode_step_s": batches}}
+    for mode in numerics[1:]:
+        # the same checkpoint, made before any timing: its folder shared with the first cache's
+        cache_m = work / f"cache-bundle-{mode}"
+        cache_m.mkdir(exist_ok=True)
+        if not (cache_m / "checkpoints").exists():
+            (cache_m / "checkpoints").symlink_to(work / "cache-bundle" / "checkpoints")
+        console.print(f"compiling cold ({mode} numerics) ...")
+        cold_m = _cold_compile(config, work, f"bundle-{mode}", mode)
+        console.print(f"measuring the bundle ({mode} numerics) ...")
+        modes[mode] = {"compile_cold_s": cold_m["seconds"], "compiled": _child("bundle", {**args, "bundle": str(work / f"bundle-{mode}")}),
+                       "decode_step_s": batch_steps(mode, cold_m["cache"], f"bundle-batches-{mode}")}
     long = len(prompts[-1])
     flops = sum(count_flops(model_cfg, Parallel(1, 1), compile_cfg.max_seq_len,
                             PlannedBucket("prefill", 1, long, compile_cfg.max_seq_len))[0])
@@ -351,7 +377,7 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
             "prefill_flops": {long: flops}, "decode_step_s": batches,
             "bundle_bytes": _dir_bytes(work / "bundle"),
             "weights_bytes": sum(f.stat().st_size for f in (work / "bundle").glob("weights*.safetensors")),
-            "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count()}
+            "checkpoint_bytes": _dir_bytes(checkpoint), "host_cores": os.cpu_count(), "modes": modes}
 
 
 def report(r: dict, console: Console) -> None:
@@ -387,9 +413,22 @@ def report(r: dict, console: Console) -> None:
     t.add_row("bundle size", f"{r['bundle_bytes'] / gib:.2f} GiB", f"checkpoint {r['checkpoint_bytes'] / gib:.2f} GiB",
               f"{r['bundle_bytes'] / r['checkpoint_bytes']:.2f}x")
     console.print(t)
+    report_stages(c, console)
+    if r["decode_step_s"]:
+        t = Table(title="decode step alone at each batch bucket")
+        for col in ("batch", "ms per step", "rows/s", "vs batch 1"):
+            t.add_column(col, justify="right")
+        one = r["decode_step_s"][min(r["decode_step_s"])]
+        for b, s in sorted(r["decode_step_s"].items()):
+            t.add_row(str(b), f"{s * 1e3:.1f}", f"{b / s:.1f}", f"{one * b / s:.2f}x")
+        console.print(t)
+
+
+def report_stages(c: dict, console: Console, prefix: str = "") -> None:
+    """The per-stage tables of one bundle measurement `c` (run's "compiled"), titles led by `prefix`."""
     for kind, st in c["stages"].items():
         decode = kind == "decode"
-        t = Table(title=f"{st['bucket']}: time by stage kind ({'per token' if decode else 'one call'}, "
+        t = Table(title=f"{prefix}{st['bucket']}: time by stage kind ({'per token' if decode else 'one call'}, "
                         f"step {st['step_s'] * 1e3:.1f} ms)")
         cols = ["stage kind", "stages", "ms", "share"] + (["MB read", f"roofline ms at {c['read_gbs']:.1f} GB/s", "reached"]
                                                            if decode else [])
@@ -404,14 +443,51 @@ def report(r: dict, console: Console) -> None:
         inside = sum(row["s"] for row in st["rows"])
         t.add_row("outside the stages", "", f"{(st['step_s'] - inside) * 1e3:.2f}", f"{(st['step_s'] - inside) / st['step_s'] * 100:.0f}%")
         console.print(t)
-    if r["decode_step_s"]:
-        t = Table(title="decode step alone at each batch bucket")
-        for col in ("batch", "ms per step", "rows/s", "vs batch 1"):
-            t.add_column(col, justify="right")
-        one = r["decode_step_s"][min(r["decode_step_s"])]
-        for b, s in sorted(r["decode_step_s"].items()):
-            t.add_row(str(b), f"{s * 1e3:.1f}", f"{b / s:.1f}", f"{one * b / s:.2f}x")
-        console.print(t)
+
+
+def report_modes(r: dict, console: Console) -> None:
+    """The kernel numerics of `run` side by side (nothing when it measured one), then the per-stage
+    tables of each mode after the first."""
+    modes = r.get("modes") or {}
+    if len(modes) < 2:
+        return
+    t = Table(title=f"numerics side by side: {r['config']}, {r['host_cores']} cores")
+    t.add_column("figure")
+    for mode in modes:
+        t.add_column(mode, justify="right")
+    t.add_row("compile, cold", *(f"{m['compile_cold_s']:.1f} s" for m in modes.values()))
+    first = next(iter(modes.values()))["compiled"]
+    for n in first["prefill_s"]:
+        t.add_row(f"prefill {n} tokens", *(f"{m['compiled']['prefill_s'][n] * 1e3:.0f} ms" for m in modes.values()))
+    for n, flops in r["prefill_flops"].items():
+        cells = []
+        for m in modes.values():
+            c = m["compiled"]
+            rate = flops / c["prefill_s"][n] / 1e9
+            cells.append(f"{rate:.0f} GFLOP/s = {rate / c['mm_bf16_gflops'] * 100:.0f}% of torch.mm bf16 "
+                         f"({c['mm_bf16_gflops']:.0f}), {rate / c['fma_peak_gflops'] * 100:.0f}% of FMA peak "
+                         f"({c['fma_peak_gflops']:.0f})")
+        t.add_row(f"prefill {n}: {flops / 1e9:.0f} GFLOP", *cells)
+    cells = []
+    for m in modes.values():
+        c = m["compiled"]
+        ideal = r["decode_bytes"] / (c["read_gbs"] * 1e9)
+        cells.append(f"{1 / c['decode_s']:.2f} tok/s = {ideal / c['decode_s'] * 100:.0f}% of the "
+                     f"{r['decode_bytes'] / 1e6:.0f} MB roofline at {c['read_gbs']:.1f} GB/s")
+    t.add_row("decode", *cells)
+    for b in sorted(next(iter(modes.values()))["decode_step_s"]):
+        cells = []
+        for m in modes.values():
+            steps = m["decode_step_s"]
+            if b not in steps:
+                cells.append("")
+                continue
+            one = steps[min(steps)]
+            cells.append(f"{b / steps[b]:.1f} rows/s, {one * b / steps[b]:.2f}x batch 1")
+        t.add_row(f"decode step, batch {b}", *cells)
+    console.print(t)
+    for mode, m in list(modes.items())[1:]:
+        report_stages(m["compiled"], console, f"{mode} numerics: ")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -424,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-doubled", action="store_true", help="skip the doubled-layer cold compile")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager golden model's timings")
     ap.add_argument("--batch-sizes", default="1,2,4,8", help="decode batch buckets timed (comma-separated; '' skips)")
+    ap.add_argument("--numerics", default="", help="kernel numerics measured side by side, e.g. exact,fast "
+                    "[default: the config's]")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -433,9 +511,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     console = Console(stderr=True)
     batch_sizes = tuple(int(b) for b in a.batch_sizes.split(",") if b)
+    from dsneuron.graphs.config import NUMERICS_MODES
+
+    numerics = tuple(m for m in a.numerics.split(",") if m)
+    bad = [m for m in numerics if m not in NUMERICS_MODES]
+    if bad or len(set(numerics)) != len(numerics):
+        ap.error(f"--numerics: a comma-separated list of distinct modes out of {', '.join(NUMERICS_MODES)}, got "
+                 f"{a.numerics!r}")
     r = run(a.config, a.work, a.repeats, a.decode, console, tuple(a.prompts.split(",")), not a.no_doubled, batch_sizes,
-            not a.no_eager)
+            not a.no_eager, numerics)
     report(r, Console())
+    report_modes(r, Console())
     if a.json:
         a.json.write_text(json.dumps(r, indent=1))
 

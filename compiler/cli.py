@@ -144,6 +144,9 @@ def compile_cmd(
     indexer: Optional[str] = typer.Option(None, "--indexer", help="indexer scores: official (the reference's bf16 "
                                           "expression) or kernel (the FP4 MQA-logits op, the NKI kernel on neuron) "
                                           "[default: the config's, official]"),
+    numerics: Optional[str] = typer.Option(None, "--numerics", help="exact (every GEMM in one fixed fp32 order: "
+                                           "bit-identical to the golden on every host) or fast (bf16 dot products, "
+                                           "deterministic on one host; cpu target) [default: the config's, exact]"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (the world size): 2 or more writes a sharded bundle, "
                                            "one rank bundle per process of `dsneuron run` (cpu target only)"),
     ep: Optional[int] = typer.Option(None, "--ep", help="with --tp: expert-parallel groups of the MoE [default: tp, "
@@ -153,9 +156,11 @@ def compile_cmd(
     from dsneuron.compiler import compile as pipeline
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
-    from dsneuron.compiler.config import check_indexer, checkpoint_config, load_config
+    from dsneuron.compiler.config import check_indexer, check_numerics, checkpoint_config, load_config
     from dsneuron.runtime_min.bundle import check_target
 
+    if numerics is not None:
+        check_numerics(numerics, "--numerics")  # fail fast, before reading anything
     par = _parallel_flags(tp, ep, target, probes, stablehlo_only)
     if stablehlo_only:  # fail fast, before reading anything
         from dsneuron.compiler.compile import check_stablehlo_only
@@ -184,6 +189,11 @@ def compile_cmd(
             _int_list(decode_lens, "--decode-lens"))
     if indexer is not None:
         compile_cfg = dataclasses.replace(compile_cfg, indexer=check_indexer(indexer, "--indexer"))
+    if numerics is not None:
+        compile_cfg = dataclasses.replace(compile_cfg, numerics=numerics)
+    if compile_cfg.numerics != "exact" and target != "cpu":
+        raise UserError(f"numerics {compile_cfg.numerics}: the fast kernels are the cpu target's (the neuron target "
+                        "has one numerics)")
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
@@ -507,6 +517,9 @@ def inspect_cmd(
     console.print(f"toolchain: python {tc.get('python')}, torch {tc.get('torch')}, {tc.get('machine')}, "
                   f"cpu isa {' '.join(tc.get('cpu_isa') or []) or '-'}")
     console.print(f"compiler: {m.compiler.get('backend')} flags {m.compiler.get('flags')}; custom ops {m.compiler.get('custom_ops')}")
+    console.print(f"numerics: {m.numerics}" + (" (bit-identical to the golden on every host)" if m.numerics == "exact" else
+                                               " (bf16 dot products: deterministic on one host; compare within the "
+                                               "fast floors)"))
     shard = m.compiler.get("shard")
     if shard:
         console.print(f"shard: rank {shard['rank']} of a sharded bundle of tp={shard['tp']}, ep={shard['ep']} "

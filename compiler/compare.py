@@ -25,8 +25,8 @@ the golden's stage on the BUNDLE's recorded input (the compiled executable canno
 mid-graph, the golden can), compared with the bundle's output: the hyper-connection mixes, the
 attention of every layer (at a decode step on the state the bundle's step was given), the MoE, and
 the head. The re-run uses the bundle's declared GEMM order (the manifest's compiler.gemm_order:
-"kernel" on cpu, the cpu kernels themselves; "fused" on neuron) and its indexer mode (the manifest's
-compiler.indexer), so a local error is what the compiler did beyond those named deviations. A local error of
+"kernel" on cpu, the cpu kernels themselves; "fused" on neuron), its indexer mode (the manifest's
+compiler.indexer) and its kernel numerics (the manifest's numerics: exact, or fast), so a local error is what the compiler did beyond those named deviations. A local error of
 0-2 ulps with accumulated error growing along the layers is amplification, not a wrong stage; a
 stage that re-quantises inside (MoE: the SwiGLU output to FP8 before w2) can turn one bf16 step of
 an fp32 difference into a larger local error at a few elements, which the "> 2 ulp" share counts.
@@ -263,7 +263,7 @@ def compare_bundle(bundle: Path, prompts: list[tuple[str, str]] | None, n_decode
         # the continuation is the bundle's greedy one (EOS may end it early); both sides are then fed it
         seq = ids + (session.generate_ids([text_of[name]], n_decode)[0] if n_decode else [])
         runs.append((name, seq, len(ids), session.teacher_forced(seq, len(ids))))
-    compiler, capacity, tokenizer = session.manifest.compiler, session.max_capacity, session.bundle.tokenizer_file
+    compiler, capacity, tokenizer = declared_numerics(session.manifest), session.max_capacity, session.bundle.tokenizer_file
     # the bundle's side is done: its weights go before the golden's come (at V4.1's widths each
     # takes most of the memory a host of this kind has)
     del session
@@ -276,15 +276,22 @@ def compare_sequence(session: Any, golden: Any, name: str, seq: list[int], n_pro
     """Both levels of the comparison for one teacher-forced sequence: prefill seq[:n_prompt], then one
     decode step per remaining id. session: runtime_min Session; golden: graphs.golden.Golden on the
     bundle's checkpoint. Raises UserError as Session.teacher_forced (prompt or sequence too long)."""
-    return compare_records(session.teacher_forced(seq, n_prompt), session.manifest.compiler, golden, name, seq, n_prompt)
+    return compare_records(session.teacher_forced(seq, n_prompt), declared_numerics(session.manifest), golden, name, seq,
+                           n_prompt)
+
+
+def declared_numerics(manifest: Any) -> dict[str, Any]:
+    """A manifest's `compiler` section with its kernel numerics added as "numerics" (Manifest.numerics):
+    everything the local re-runs take from the bundle."""
+    return {**manifest.compiler, "numerics": manifest.numerics}
 
 
 def compare_records(got: list[Any], compiler: dict[str, Any], golden: Any, name: str, seq: list[int],
                     n_prompt: int) -> PromptReport:
     """`compare_sequence` on the bundle's records of that sequence, already run: got, the
-    Session.teacher_forced records; compiler, the bundle manifest's `compiler` section (its GEMM
-    order and indexer mode, which the local re-runs take)."""
-    from dsneuron.graphs.model import gemm_order, indexer_mode, nudged_embedding
+    Session.teacher_forced records; compiler, `declared_numerics` of the bundle's manifest (its GEMM
+    order, indexer mode and kernel numerics, which the local re-runs take)."""
+    from dsneuron.graphs.model import gemm_order, indexer_mode, kernel_numerics, nudged_embedding
 
     probes = bool(got[0].probes)
     ref = golden.teacher_forced(seq, n_prompt, capture=probes)
@@ -313,8 +320,8 @@ def compare_records(got: list[Any], compiler: dict[str, Any], golden: Any, name:
         order = compiler.get("gemm_order", "fused")
         if order == "kernel":
             golden.attach_kernel_weights()
-        indexer = compiler.get("indexer", "official")
-        with torch.inference_mode(), gemm_order(order), indexer_mode(indexer):
+        indexer, numerics = compiler.get("indexer", "official"), compiler.get("numerics", "exact")
+        with torch.inference_mode(), gemm_order(order), indexer_mode(indexer), kernel_numerics(numerics):
             if prefill:
                 at = {"prefill_len": n_prompt, "engram_ids": engram_ids[:, :n_prompt]}
             else:

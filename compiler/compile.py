@@ -33,8 +33,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (CHUNK_SCHEMA_VERSION, SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
-                                         WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
+from dsneuron.runtime_min.schema import (CHUNK_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION, SCHEMA_VERSION, TOKENIZER_DIR,
+                                         WEIGHT_FILES_SCHEMA_VERSION, WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
                                          Manifest, StateEntry, TensorSpec, Tokenizer, bucket_file,
                                          dtype_name, shard_record)
 
@@ -325,9 +325,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             host_preprocessing=dict(parts.host_params), state=state, buckets=tuple(buckets), files={},
             weights_file=WEIGHTS, created_by=f"dsneuron {dsneuron.__version__}",
             load_casts={n: d for n, d in load_casts.items() if n in used}, weight_views=dict(sorted(weight_views.items())),
-            prepare=recipes, weight_files=weight_files,
+            prepare=recipes, weight_files=weight_files, numerics=compile_cfg.numerics,
             schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
-                               CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION))
+                               CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION,
+                               NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION))
         from dsneuron.runtime_min.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))

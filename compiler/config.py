@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsneuron.graphs.config import INDEXER_MODES, ConfigError, ModelConfig, check_keys, coerce
+from dsneuron.graphs.config import INDEXER_MODES, NUMERICS_MODES, ConfigError, ModelConfig, check_keys, coerce
 
 PACKAGED = Path(__file__).parent / "configs"
 
@@ -36,6 +36,10 @@ class CompileConfig:
     chunked_prefill: on the cpu target, also compile a chunk bucket (a prefill continuing from
         state, graphs/steps.py prefill_chunk) per decode capacity above the largest prefill length,
         so that a prompt up to the largest capacity runs as chunks (README "Long prompts").
+    numerics: the cpu kernels' numerics (graphs.config.NUMERICS_MODES): "exact" (the default: every
+        GEMM in one fixed fp32 order, bit-identical to the golden on every host) or "fast" (bf16 dot
+        products, kernels_nki/cpu_gemm_fast.py: deterministic and batch-invariant on one host).
+        Left out of `to_dict` when "exact", so an exact bundle's manifest is what it was before the field.
     """
 
     max_seq_len: int
@@ -46,6 +50,7 @@ class CompileConfig:
     seed: int = 0
     indexer: str = "official"
     chunked_prefill: bool = True
+    numerics: str = "exact"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
@@ -60,6 +65,8 @@ class CompileConfig:
                 values[name] = raw[name]
             elif name == "indexer":
                 values[name] = check_indexer(raw[name], f"{where}.indexer")
+            elif name == "numerics":
+                values[name] = check_numerics(raw[name], f"{where}.numerics")
             else:
                 values[name] = coerce(raw[name], f.type, f"{where}.{name}")
         cfg = cls(**values)
@@ -74,13 +81,22 @@ class CompileConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+                if k != "numerics" or v != "exact"}
 
 
 def check_indexer(value: Any, where: str) -> str:
     """`value` if it is an indexer mode (graphs.config.INDEXER_MODES); else ConfigError naming `where`."""
     if value not in INDEXER_MODES:
         raise ConfigError(f"{where}: must be one of {', '.join(INDEXER_MODES)} (got {value!r})")
+    return value
+
+
+def check_numerics(value: Any, where: str) -> str:
+    """`value` if it is a numerics mode (graphs.config.NUMERICS_MODES); else ConfigError naming `where`."""
+    if value not in NUMERICS_MODES:
+        raise ConfigError(f"{where}: must be one of {', '.join(NUMERICS_MODES)} (got {value!r}): exact is bit-identical "
+                          "to the golden on every host, fast runs every GEMM on bf16 dot products")
     return value
 
 

@@ -40,8 +40,10 @@ class GraphsStepFactory:
     bundle, for `dsneuron compare`; larger executables and outputs, same logits and state)."""
 
     def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused",
-                 indexer: str = "official", shard: tuple[int, int, int] | None = None):
+                 indexer: str = "official", shard: tuple[int, int, int] | None = None, numerics: str = "exact"):
         self.cfg, self.models, self.probes, self.order, self.indexer = cfg, models, probes, order, indexer
+        #: the cpu kernels' numerics the stages trace with (graphs.model.kernel_numerics)
+        self.numerics = numerics
         #: (tp, ep, rank) of a sharded compile: the rank's graphs hold its expert ids and vocabulary rows
         self.shard = shard
 
@@ -50,7 +52,10 @@ class GraphsStepFactory:
         # the NKI kernels (*_nki.py) and their stand-in (sim/) never enter a cpu graph
         src = source_digest(Path(dsneuron.graphs.__file__).parent, Path(dsneuron.kernels_nki.__file__).parent,
                             exclude=lambda rel: rel.name.endswith("_nki.py") or len(rel.parts) > 1)
-        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order, self.indexer, self.shard], sort_keys=True)).encode()).hexdigest()
+        # numerics only when fast, so that exact bundles keep the keys (and the manifests) they had
+        fast = [self.numerics] if self.numerics != "exact" else []
+        return hashlib.sha256((src + json.dumps([self.cfg.to_dict(), self.probes, self.order, self.indexer, self.shard,
+                                                 *fast], sort_keys=True)).encode()).hexdigest()
 
     def init_state(self, batch: int, capacity: int) -> dict[str, torch.Tensor]:
         return steps.init_state(self.cfg, batch, capacity)
@@ -77,7 +82,8 @@ class GraphsStepFactory:
         half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
         so that one executable of each serves every bucket of the batch size."""
         model = self.models[capacity]
-        built = stages.build_stages(model, kind, batch, capacity, order=self.order, indexer=self.indexer)
+        built = stages.build_stages(model, kind, batch, capacity, order=self.order, indexer=self.indexer,
+                                    numerics=self.numerics)
         if self.probes:
             stages.with_probes(built)
         S = 1 if kind == "decode" else seq_len
@@ -160,6 +166,8 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     mapped = ckpt_io.map_checkpoint(path, model_cfg, rows)
     capacities = plan_buckets(compile_cfg, model_cfg).decode_capacities
     cpu = target == "cpu"
+    if compile_cfg.numerics != "exact" and not cpu:
+        raise CompileError(f"numerics {compile_cfg.numerics}: the fast kernels are the cpu target's")
     sharded = par is not None and par.tp > 1
     shard = None
     if sharded:
@@ -205,7 +213,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     sources.update({n: src for n, src in (derived or {}).items() if n in all_weights})
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
     factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer,
-                                (par.tp, par.ep, rank) if sharded else None)
+                                (par.tp, par.ep, rank) if sharded else None, compile_cfg.numerics)
     return ModelParts(factory, all_weights,
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
                       stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources)

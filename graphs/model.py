@@ -88,7 +88,7 @@ import dsneuron.kernels_nki  # noqa: F401  registers torch.ops.dsneuron.*
 from dsneuron.kernels_nki.formats import SPELLING, as_uint8, e4m3_to_float, ue8m0_to_float
 from dsneuron.kernels_nki.rms_norm import mean_square, rms_norm
 
-from .config import INDEXER_MODES, ModelConfig
+from .config import INDEXER_MODES, NUMERICS_MODES, ModelConfig
 from .quant import (COMPRESS_KV_FORMAT, GEMM_ORDERS, INDEX_K_FORMAT, StateFormat, act_quant_qdq, add_blocks,
                     block_partials, dequant_fp4_weight, dequant_fp8_weight, dequantize_state, experts_linear, fp4_act_quant_qdq,
                     fp4_operand_bytes, fp8_activation, fp8_linear, linear_fp32, quantize_state, window_format)
@@ -120,6 +120,11 @@ class _Numerics:
     #: move every element of the embedding output one bf16 step up: the smallest perturbation there
     #: is, used to measure how far one rounding difference carries (the comparison's second floor)
     nudge_embedding: bool = False
+    #: how GEMM order "kernel" computes (`NUMERICS_MODES`): "exact" is the fixed-order fp32 kernel
+    #: (kernels_nki/cpu_gemm.py, bit-identical to the golden on every host), "fast" the bf16 dot
+    #: product kernel (kernels_nki/cpu_gemm_fast.py: deterministic and batch-invariant on one host)
+    #: for every GEMM on fp8, fp4 and bf16 weights; fp32 weights (the mHC projections) stay exact
+    numerics: str = "exact"
 
 
 NUMERICS = _Numerics()
@@ -153,6 +158,14 @@ def indexer_mode(mode: str):
     if mode not in INDEXER_MODES:
         raise ValueError(f"indexer_mode: mode must be one of {INDEXER_MODES}, got {mode!r}")
     return _numerics("indexer", mode)
+
+
+def kernel_numerics(mode: str):
+    """Run (or trace) GEMM order "kernel" with numerics `mode` (`_Numerics.numerics`; a context
+    manager). Raises ValueError for a mode not in NUMERICS_MODES."""
+    if mode not in NUMERICS_MODES:
+        raise ValueError(f"kernel_numerics: mode must be one of {NUMERICS_MODES}, got {mode!r}")
+    return _numerics("numerics", mode)
 
 
 def nudged_embedding():
@@ -206,25 +219,35 @@ def kernel_gemm(a: torch.Tensor, owner: nn.Module, prefix: str, fmt: str, n: int
                 init: torch.Tensor | None = None) -> torch.Tensor:
     """a fp32 [..., K] @ W.T -> fp32 [..., n] through the cpu kernel (GEMM order "kernel"), W the
     prepared weight `owner` holds as buffers <prefix>kernel_w / <prefix>kernel_w_scale; with init
-    fp32 [..., n] each element's block sum starts from init (cpu_gemm.gemm_acc)."""
-    from dsneuron.kernels_nki import cpu_gemm  # builds the kernels on first use
-
+    fp32 [..., n] each element's block sum starts from init (cpu_gemm.gemm_acc). Numerics "fast"
+    (`kernel_numerics`) runs it on the bf16 dot product kernel unless fmt is fp32."""
+    kernels = _gemm_kernels(fmt)
     lead = a.shape[:-1]
     prepared = {"w": getattr(owner, f"{prefix}kernel_w"), "w_scale": getattr(owner, f"{prefix}kernel_w_scale")}
     a2 = a.reshape(-1, a.shape[-1])
     if init is None:
-        return cpu_gemm.gemm(a2, prepared, fmt, n).reshape(*lead, n)
-    return cpu_gemm.gemm_acc(a2, prepared, fmt, n, init.reshape(-1, n)).reshape(*lead, n)
+        return kernels.gemm(a2, prepared, fmt, n).reshape(*lead, n)
+    return kernels.gemm_acc(a2, prepared, fmt, n, init.reshape(-1, n)).reshape(*lead, n)
+
+
+def _gemm_kernels(fmt: str):
+    """The module whose gemm / gemm_acc / gemm_segments run a GEMM on `fmt` weights in the current
+    numerics: cpu_gemm (exact), or cpu_gemm_fast (fast, but fp32 weights, which it does not take)."""
+    if NUMERICS.numerics == "fast" and fmt != "fp32":
+        from dsneuron.kernels_nki import cpu_gemm_fast  # builds the kernels on first use
+
+        return cpu_gemm_fast
+    from dsneuron.kernels_nki import cpu_gemm  # builds the kernels on first use
+
+    return cpu_gemm
 
 
 def kernel_gemm_segments(a: torch.Tensor, offsets: torch.Tensor, owner: nn.Module, prefix: str, fmt: str,
                          n: int) -> torch.Tensor:
     """Grouped `kernel_gemm`: rows offsets[e]..offsets[e+1]-1 of a fp32 [R, K] against the e-th of
     the stacked prepared weights <prefix>kernel_w / _scale of `owner` -> fp32 [R, n]."""
-    from dsneuron.kernels_nki import cpu_gemm
-
     w, ws = getattr(owner, f"{prefix}kernel_w"), getattr(owner, f"{prefix}kernel_w_scale")
-    return cpu_gemm.gemm_segments(a, offsets, {"w": w, "w_scale": ws}, fmt, n)
+    return _gemm_kernels(fmt).gemm_segments(a, offsets, {"w": w, "w_scale": ws}, fmt, n)
 
 
 def kernel_fp8_activation(x: torch.Tensor, block: int = 32) -> torch.Tensor:

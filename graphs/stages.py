@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, indexer_mode, step_inputs
+from .model import (Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, indexer_mode, kernel_numerics,
+                    step_inputs)
 from .steps import init_state, state_layout
 
 #: the data inputs of each step besides engram_ids; a chunk (graphs/steps.py prefill_chunk) is a
@@ -142,9 +143,11 @@ class _Captures(nn.Module):
     order: str = "ascending"
     #: the indexer mode it runs or traces with (graphs.model.indexer_mode)
     indexer: str = "official"
+    #: the cpu kernels' numerics it runs or traces with (graphs.model.kernel_numerics)
+    numerics: str = "exact"
 
     def forward(self, *inputs: torch.Tensor):
-        with gemm_order(self.order), indexer_mode(self.indexer):
+        with gemm_order(self.order), indexer_mode(self.indexer), kernel_numerics(self.numerics):
             return self.run(*inputs)
 
     def _capture(self) -> Capture | None:
@@ -279,10 +282,11 @@ def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending",
-                 indexer: str = "official") -> list[Stage]:
+                 indexer: str = "official", numerics: str = "exact") -> list[Stage]:
     """The stages of a prefill, decode or chunk step of `model` at (batch, capacity), in run order,
     each running with GEMM order `order` (the golden's "ascending" by default; the compiled steps
-    trace theirs) and indexer mode `indexer`. Raises ValueError for an unknown step."""
+    trace theirs), indexer mode `indexer` and kernel numerics `numerics`. Raises ValueError for an
+    unknown step."""
     if step not in DATA:
         raise ValueError(f"build_stages: step must be one of {tuple(DATA)}, got {step!r}")
     cfg = model.cfg
@@ -298,7 +302,7 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
                             per_token=True))
     stages.append(Stage("head", "head", HeadStage(model), ("h", "pre_mix", "last"), ("logits",), per_token=True))
     for st in stages:
-        st.module.order, st.module.indexer = order, indexer
+        st.module.order, st.module.indexer, st.module.numerics = order, indexer, numerics
     return stages
 
 

@@ -27,7 +27,7 @@ _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorde
 #: the modules that register a namespace's ops, imported in order until the op exists (the cpu
 #: GEMM kernels are a C++ extension built on first import, so only bundles that call them pay it)
 _OP_MODULES = {"dsneuron": ("dsneuron.kernels_nki", "dsneuron.kernels_nki.cpu_gemm", "dsneuron.kernels_nki.cpu_attn",
-                           "dsneuron.runtime_min.collectives")}
+                           "dsneuron.kernels_nki.cpu_gemm_fast", "dsneuron.runtime_min.collectives")}
 
 
 def check_archive(path: Path) -> None:

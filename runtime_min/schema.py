@@ -68,8 +68,13 @@ from dsneuron import UserError
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
 #: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files,
-#: 4 chunk buckets
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4)
+#: 4 chunk buckets, 5 numerics "fast"
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+#: the version of a manifest with numerics "fast": its executables call the fast GEMM ops, which an
+#: older runtime neither registers nor knows to be another numerics (an exact manifest keeps its version)
+NUMERICS_SCHEMA_VERSION = 5
+#: the cpu kernels' numerics a manifest may declare (graphs.config.NUMERICS_MODES), the first the default
+MANIFEST_NUMERICS = ("exact", "fast")
 #: the version of a manifest with `weight_files` (weights in several shards): an older runtime
 #: would look for every tensor in weights_file
 WEIGHT_FILES_SCHEMA_VERSION = 3
@@ -425,6 +430,10 @@ class Manifest:
     weight_files: when not empty (schema version 3), the weights are in these safetensors files,
         each tensor in one of them and each file at most WEIGHT_SHARD_BYTES of tensors, instead of
         all in weights_file: weights-<i>-of-<n>.safetensors, as a Hugging Face checkpoint is sharded.
+    numerics: the cpu kernels' numerics the executables were compiled with (MANIFEST_NUMERICS):
+        "exact" (the default, and what a manifest without the field means: bit-identical to the
+        golden on every host) or "fast" (schema version 5: bf16 dot products, deterministic on one
+        host; `dsneuron compare` re-runs the golden's stages with it). Written only when not exact.
     """
 
     target: str
@@ -445,6 +454,7 @@ class Manifest:
     weight_views: dict[str, str] = field(default_factory=dict)
     prepare: tuple[Prepare, ...] = ()
     weight_files: tuple[str, ...] = ()
+    numerics: str = "exact"
 
     @property
     def weights_files(self) -> tuple[str, ...]:
@@ -466,6 +476,8 @@ class Manifest:
             body["prepare"] = [p.to_dict() for p in self.prepare]
         if self.weight_files:
             body["weight_files"] = list(self.weight_files)
+        if self.numerics != "exact":
+            body["numerics"] = self.numerics
         body[SEAL] = content_sha256(body)
         return json.dumps(body, indent=1, allow_nan=False) + "\n"
 
@@ -518,7 +530,13 @@ class Manifest:
             weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
             prepare=tuple(Prepare.from_dict(x, f"prepare[{i}]") for i, x in enumerate(r.get("prepare", []))),
             weight_files=_weight_files(r.get("weight_files", [])),
+            numerics=r.get("numerics", "exact"),
         )
+        if manifest.numerics not in MANIFEST_NUMERICS:
+            raise BundleError(f"manifest numerics: {manifest.numerics!r} is not one of {', '.join(MANIFEST_NUMERICS)}")
+        if manifest.numerics != "exact" and version < NUMERICS_SCHEMA_VERSION:
+            raise BundleError(f"{MANIFEST}: numerics {manifest.numerics!r} needs schema version {NUMERICS_SCHEMA_VERSION} "
+                              f"(the manifest says {version})")
         if manifest.prepare and version < 2:
             raise BundleError(f"{MANIFEST}: prepare needs schema version 2 (the manifest says {version})")
         if manifest.weight_files and version < WEIGHT_FILES_SCHEMA_VERSION:

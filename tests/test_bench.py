@@ -72,3 +72,31 @@ def test_gemm_shapes_of_a_prefill():
     assert shapes[(64 // r, model["head_dim"], model["index_head_dim"])] >= 1  # indexer wk, on the compressed rows
     assert shapes[(1, model["dim"], model["vocab_size"])] == 1  # the head, at the last position
     assert not any(n == model["vocab_size"] and m == 64 for m, _, n in shapes)  # the embedding is a lookup
+
+
+def test_numerics_side_by_side_table():
+    """report_modes puts each numerics mode's prefill GFLOP/s (against its torch.mm bf16 and FMA
+    peak), decode tok/s (against the roofline) and batch rows/s in one table; nothing for one mode."""
+    import io
+
+    from rich.console import Console
+
+    from dsneuron.compiler.bench import report_modes
+
+    def mode(prefill_s: float, decode_s: float) -> dict:
+        return {"compile_cold_s": 60.0, "decode_step_s": {1: decode_s, 8: 2 * decode_s},
+                "compiled": {"prefill_s": {715: prefill_s}, "decode_s": decode_s, "mm_bf16_gflops": 400.0,
+                             "fma_peak_gflops": 200.0, "read_gbs": 20.0, "stages": {}}}
+
+    r = {"config": "tiny", "host_cores": 2, "prefill_flops": {715: 100e9}, "decode_bytes": 400e6,
+         "modes": {"exact": mode(1.0, 0.04), "fast": mode(0.5, 0.025)}}
+    out = io.StringIO()
+    report_modes(r, Console(file=out, width=400))
+    text = out.getvalue()
+    assert "100 GFLOP/s = 25% of torch.mm bf16 (400), 50% of FMA peak (200)" in text  # exact
+    assert "200 GFLOP/s = 50% of torch.mm bf16 (400), 100% of FMA peak (200)" in text  # fast
+    assert "40.00 tok/s = 80% of the 400 MB roofline at 20.0 GB/s" in text  # fast: 20 ms roofline / 25 ms
+    assert "100.0 rows/s, 4.00x batch 1" in text  # exact: batch 8 at twice the step time
+    out = io.StringIO()
+    report_modes({**r, "modes": {"exact": r["modes"]["exact"]}}, Console(file=out))
+    assert out.getvalue() == ""

@@ -188,12 +188,26 @@ def test_truncated_file(copy):
 
 def test_unknown_schema_version(monkeypatch, capsys, copy):
     edit_manifest(copy, lambda m: m.update(schema_version=99))
-    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4\)"):
+    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4, 5\)"):
         open_bundle(copy)
     for cmd in ("run", "inspect"):
         args = [cmd, str(copy)] + (["--prompt", "hi"] if cmd == "run" else [])
         assert run_cli(monkeypatch, *args) == 2
         assert "schema version 99" in capsys.readouterr().err
+
+
+def test_numerics_field(copy):
+    """A manifest without `numerics` (every bundle before the field) is exact, and an exact
+    manifest does not write it; "fast" needs schema version 5 and round-trips; anything else is
+    refused by name."""
+    m = Manifest.from_json((copy / "manifest.json").read_text())
+    assert m.numerics == "exact" and "numerics" not in json.loads(m.to_json())
+    fast = dataclasses.replace(m, numerics="fast", schema_version=5)
+    assert Manifest.from_json(fast.to_json()).numerics == "fast"
+    with pytest.raises(BundleError, match="numerics 'fast' needs schema version 5"):
+        Manifest.from_json(dataclasses.replace(fast, schema_version=4).to_json())
+    with pytest.raises(BundleError, match="manifest numerics: 'quick' is not one of exact, fast"):
+        Manifest.from_json(dataclasses.replace(fast, numerics="quick").to_json())
 
 
 @pytest.mark.skipif(not missing_packages("neuron"), reason="the Neuron SDK is installed here")

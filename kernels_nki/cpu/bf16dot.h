@@ -1,0 +1,192 @@
+// The ISA layer of gemm_fast.cpp: 16-lane fp32 accumulators, bf16 pair vectors, the pair dot
+// product, and the exact expansion of one prepared panel's FP8 / FP4 / bf16 weights to bf16 pairs.
+//
+// A pair vector W holds, for the 16 lanes (output columns) of a panel, the weights of two
+// consecutive k as bf16 bits: W[2l] = w[k][l], W[2l + 1] = w[k + 1][l] (64 bytes). `dot` adds
+// a[k] * W[2l] + a[k + 1] * W[2l + 1] into lane l: one VDPBF16PS (Intel SDM, "VDPBF16PS") where
+// the build has AVX512-BF16, else two fp32 fma in k order. Lanes never mix, so a lane's result is
+// the same sequence of operations whatever the tile or thread that computes it; the two layers
+// may differ from each other (VDPBF16PS flushes denormals), which fast numerics allows: it is
+// deterministic on one host, not across hosts.
+//
+// Every e4m3fn and e2m1 value is a bf16 (<= 3 mantissa bits, exponents inside bf16's range), so
+// the expansion is exact, block scales excluded (gemm_fast.cpp applies them to block partials).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define DSN_BF16DP 1
+#endif
+
+namespace dsn {
+namespace {
+
+// hint that the line `ahead` bytes past p is read soon, into L2 (simd.h `prefetch` says why)
+inline void prefetch_l2(const void* p, int64_t ahead) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + uintptr_t(ahead)), 0, 1);
+}
+
+#if DSN_BF16DP
+
+struct Acc { __m512 v; };
+struct W { __m512i v; };
+inline Acc azero() { return {_mm512_setzero_ps()}; }
+inline Acc aset(float x) { return {_mm512_set1_ps(x)}; }
+inline Acc aload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Acc aload_n(const float* p, int n) { return {_mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), p)}; }
+inline void astore_n(float* p, Acc x, int n) { _mm512_mask_storeu_ps(p, __mmask16((1u << n) - 1), x.v); }
+// acc + p * s, one rounding (s a power of two: p * s is exact unless it leaves fp32's range)
+inline Acc afma(Acc p, Acc s, Acc acc) { return {_mm512_fmadd_ps(p.v, s.v, acc.v)}; }
+inline W wload(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
+inline void wstore(uint16_t* p, W w) { _mm512_storeu_si512(p, w.v); }
+
+// lane l += a[0] * W[2l] + a[1] * W[2l+1] (a: two bf16, k and k + 1)
+inline Acc dot(Acc c, W w, const uint16_t* a) {
+  int32_t x;
+  std::memcpy(&x, a, 4);
+  return {_mm512_dpbf16_ps(c.v, (__m512bh)_mm512_set1_epi32(x), (__m512bh)w.v)};
+}
+
+// n fp32 -> bf16, round to nearest even (VCVTNEPS2BF16)
+inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+// FP8 rows k, k+1 of a panel (code + k * 16: 32 bytes) -> pair vector. e4m3fn s.eeee.mmm is the
+// bf16 s.(e+120).mmm0000 for e > 0; the 8 subnormal magnitudes m * 2^-9 come from a table;
+// magnitude 0x7F is NaN
+inline W fp8_pair(const uint8_t* code) {
+  const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
+  const __m128i r0 = _mm256_castsi256_si128(rows), r1 = _mm256_extracti128_si256(rows, 1);
+  const __m512i x = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1)));
+  __m512i y = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(int16_t(0x87F0))),
+                               _mm512_set1_epi16(0x3C00));
+  const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  const __mmask32 is_sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));  // exponent 0: index = m
+  const __m512i t = _mm512_or_si512(_mm512_permutexvar_epi16(x, sub),
+                                    _mm512_and_si512(y, _mm512_set1_epi16(int16_t(0x8000))));
+  y = _mm512_mask_mov_epi16(y, is_sub, t);
+  const __m512i mag = _mm512_set1_epi16(0x7F);
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, mag), mag);
+  return {_mm512_mask_mov_epi16(y, nan, _mm512_or_si512(y, _mm512_set1_epi16(0x7FC0)))};
+}
+
+// FP4 byte row j of a panel (code + j * 16: lane l's byte holds k = 2j low nibble, 2j+1 high)
+// -> pair vector: each nibble indexes the 16 e2m1 values as bf16
+inline W fp4_pair(const uint8_t* code) {
+  const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code)));
+  const __m512i idx = _mm512_or_si512(_mm512_and_si512(z, _mm512_set1_epi32(0x0F)),
+                                      _mm512_and_si512(_mm512_slli_epi32(z, 12), _mm512_set1_epi32(0xF0000)));
+  const __m512i tab = _mm512_set_epi16(
+      int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000), int16_t(0xBFC0), int16_t(0xBF80),
+      int16_t(0xBF00), int16_t(0x8000), 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0,
+      int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000), int16_t(0xBFC0), int16_t(0xBF80),
+      int16_t(0xBF00), int16_t(0x8000), 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+  return {_mm512_permutexvar_epi16(idx, tab)};
+}
+
+// bf16 rows k, k+1 of a panel (val + k * 16: 32 values) -> pair vector (an interleave)
+inline W bf16_pair(const uint16_t* val) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return {_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(val))};
+}
+
+#else  // portable layer (AVX2 hosts: the compiler vectorises the 16-lane loops with -mavx2 -mfma)
+
+struct Acc { float v[16]; };
+struct W { uint16_t v[32]; };
+inline Acc aset(float x) { Acc r; for (float& e : r.v) e = x; return r; }
+inline Acc azero() { return aset(0.0f); }
+inline Acc aload(const float* p) { Acc r; std::memcpy(r.v, p, sizeof r.v); return r; }
+inline Acc aload_n(const float* p, int n) { Acc r = azero(); std::memcpy(r.v, p, 4 * n); return r; }
+inline void astore_n(float* p, Acc x, int n) { std::memcpy(p, x.v, 4 * n); }
+inline Acc afma(Acc p, Acc s, Acc acc) {
+  for (int l = 0; l < 16; ++l) acc.v[l] = __builtin_fmaf(p.v[l], s.v[l], acc.v[l]);
+  return acc;
+}
+inline W wload(const uint16_t* p) { W w; std::memcpy(w.v, p, sizeof w.v); return w; }
+inline void wstore(uint16_t* p, W w) { std::memcpy(p, w.v, sizeof w.v); }
+
+inline float bf16_value(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline Acc dot(Acc c, W w, const uint16_t* a) {
+  const float a0 = bf16_value(a[0]), a1 = bf16_value(a[1]);
+  for (int l = 0; l < 16; ++l)
+    c.v[l] = __builtin_fmaf(a1, bf16_value(w.v[2 * l + 1]), __builtin_fmaf(a0, bf16_value(w.v[2 * l]), c.v[l]));
+  return c;
+}
+
+// round to nearest even; NaN stays NaN (quiet)
+inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &x[i], 4);
+    y[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+  }
+}
+
+// e4m3fn code -> bf16 bits (s.(e+120).mmm0000; subnormals m * 2^-9; magnitude 0x7F NaN)
+inline const uint16_t* e4m3_bf16_table() {
+  static const auto tab = [] {
+    struct T { uint16_t v[256]; } t;
+    const uint16_t sub[8] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+    for (int c = 0; c < 256; ++c) {
+      const int mag = c & 0x7F;
+      const uint16_t m = mag == 0x7F ? 0x7FC0 : mag < 8 ? sub[mag] : uint16_t((mag << 4) + 0x3C00);
+      t.v[c] = uint16_t(m | ((c & 0x80) << 8));
+    }
+    return t;
+  }();
+  return tab.v;
+}
+
+inline W fp8_pair(const uint8_t* code) {
+  const uint16_t* tab = e4m3_bf16_table();
+  W w;
+  for (int l = 0; l < 16; ++l) {
+    w.v[2 * l] = tab[code[l]];
+    w.v[2 * l + 1] = tab[code[16 + l]];
+  }
+  return w;
+}
+
+inline W fp4_pair(const uint8_t* code) {
+  static const uint16_t tab[16] = {0, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                   0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+  W w;
+  for (int l = 0; l < 16; ++l) {
+    w.v[2 * l] = tab[code[l] & 15];
+    w.v[2 * l + 1] = tab[code[l] >> 4];
+  }
+  return w;
+}
+
+inline W bf16_pair(const uint16_t* val) {
+  W w;
+  for (int l = 0; l < 16; ++l) {
+    w.v[2 * l] = val[l];
+    w.v[2 * l + 1] = val[16 + l];
+  }
+  return w;
+}
+
+#endif
+
+}  // namespace
+}  // namespace dsn

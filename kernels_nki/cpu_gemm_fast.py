@@ -1,0 +1,163 @@
+"""Block-scaled GEMM of fast numerics on the cpu target: bf16 dot products, C++ ops and a reference.
+
+Importing this module builds (first use, cached) and loads kernels_nki/cpu/gemm_fast.cpp, which registers
+
+    torch.ops.dsneuron.gemm_fast(a, w, w_scale, fmt, n)                       -> fp32 [M, n]
+    torch.ops.dsneuron.gemm_fast_acc(a, w, w_scale, fmt, n, init)            -> fp32 [M, n]   (sum from init)
+    torch.ops.dsneuron.gemm_fast_segments(a, offsets, w, w_scale, fmt, n)    -> fp32 [R, n]
+
+with fake implementations here (export, AOTInductor proxy executor), taking the prepared panels of
+kernels_nki/cpu_gemm.py `prepare_weight` for fmt 0 fp8, 1 fp4, 2 bf16 (fp32 weights have no fast
+path: graphs/model.py keeps them on the exact `gemm_panels`).
+
+Contract: a fp32 [M, K] is rounded to bf16 (nearest even); every weight is its code value as a
+bf16 (exact: e4m3fn and e2m1 values have <= 3 mantissa bits; bf16 weights as stored); per output
+element, each 32-k block's partial is 16 bf16 pair dot products in k order (VDPBF16PS on hosts with
+AVX512-BF16: Intel SDM "VDPBF16PS", which flushes denormals; two fp32 fma per pair elsewhere), and
+acc = fma(partial_b, scale_b, acc) over the blocks ascending (scale_b the block's power of two, 1
+for bf16). Each output element is computed by one thread with that one sequence, so a row's
+result does not depend on M, its row, its neighbours or the thread count: deterministic and
+batch-invariant on one host. It is not bit-identical across hosts (the ISA decides the pair
+rounding), and differs from the exact kernel (cpu_gemm.py) by the activation's bf16 rounding and
+the summation order: `gemm_fast_ref` is the float64 value it approximates, within `error_bound`.
+
+Build: variant "avx512bf16" (-mavx512f -mavx512bw -mavx512vl -mavx512bf16 on top of the AVX2 flags)
+where /proc/cpuinfo lists avx512_bf16 and avx512bw and torch runs at AVX512 capability, else
+cpu_gemm's variant ("avx2", "generic"). Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dsneuron.kernels_nki import cpu_gemm
+from dsneuron.kernels_nki.cpu_gemm import BLOCK, FORMATS, check_args, dequant_weight
+
+_SOURCE = Path(__file__).parent / "cpu" / "gemm_fast.cpp"
+#: the fast kernel's formats, by code (the first three of cpu_gemm.FORMATS)
+FAST_FORMATS = FORMATS[:3]
+ISA_FLAGS = {"avx512bf16": [*cpu_gemm.ISA_FLAGS["avx2"], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+             **cpu_gemm.ISA_FLAGS}
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (the first "flags" line of /proc/cpuinfo), empty where there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def host_variant() -> str:
+    """"avx512bf16" when the CPU has AVX512-BF16 and AVX512BW and torch runs at AVX512 capability
+    (ATEN_CPU_CAPABILITY can lower it), else cpu_gemm.host_variant()."""
+    if cpu_gemm.host_variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX512" and \
+            {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags():
+        return "avx512bf16"
+    return cpu_gemm.host_variant()
+
+
+def build(variant: str, namespace: str = "dsneuron", verbose: bool = False) -> str:
+    """Compile (or reuse from the cache) cpu/gemm_fast.cpp as `variant`, registering its ops under
+    torch.ops.<namespace>; returns the loaded library's path. Raises RuntimeError naming the
+    compiler when it is missing or the build fails, ValueError for an unknown variant."""
+    if variant not in ISA_FLAGS:
+        raise ValueError(f"cpu_gemm_fast.build: variant must be one of {tuple(ISA_FLAGS)}, got {variant!r}")
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"dsneuron fast GEMM kernels: C++ compiler {cxx!r} ($CXX, default c++) not found on PATH")
+    from torch.utils import cpp_extension
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = cache / "dsneuron" / "cpu_gemm" / f"{namespace}-fast-{variant}-torch{torch.__version__}"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"{namespace}_cpu_gemm_fast_{variant}", sources=[str(_SOURCE)], build_directory=str(folder),
+            extra_cflags=[*cpu_gemm.CFLAGS, f"-DDSN_NS={namespace}", *ISA_FLAGS[variant]],
+            is_python_module=False, verbose=verbose)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"dsneuron fast GEMM kernels: building {variant} with {cxx!r} in {folder} failed: {e}") from e
+
+
+VARIANT = host_variant()
+build(VARIANT)
+
+
+def gemm(a: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str, n: int) -> torch.Tensor:
+    """a fp32 [M, K] @ W.T -> fp32 [M, n], fast numerics, W prepared by cpu_gemm.prepare_weight(fmt, ...)."""
+    return torch.ops.dsneuron.gemm_fast(a, prepared["w"], prepared["w_scale"], _code(fmt), n)
+
+
+def gemm_acc(a: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str, n: int, init: torch.Tensor) -> torch.Tensor:
+    """`gemm` with each element's block sum continued from init fp32 [M, n] (cpu_gemm.gemm_acc's use)."""
+    return torch.ops.dsneuron.gemm_fast_acc(a, prepared["w"], prepared["w_scale"], _code(fmt), n, init)
+
+
+def gemm_segments(a: torch.Tensor, offsets: torch.Tensor, prepared: dict[str, torch.Tensor], fmt: str,
+                  n: int) -> torch.Tensor:
+    """Grouped `gemm`: rows offsets[e] .. offsets[e+1]-1 of a fp32 [R, K] against expert e -> fp32 [R, n]."""
+    return torch.ops.dsneuron.gemm_fast_segments(a, offsets, prepared["w"], prepared["w_scale"], _code(fmt), n)
+
+
+def _code(fmt: str) -> int:
+    if fmt not in FAST_FORMATS:
+        raise ValueError(f"cpu_gemm_fast: fmt must be one of {FAST_FORMATS} (fp32 weights stay on gemm_panels), "
+                         f"got {fmt!r}")
+    return FAST_FORMATS.index(fmt)
+
+
+def _check(fn: str, a, w, w_scale, fmt: int, n: int, experts: int | None = None) -> None:
+    if fmt not in range(len(FAST_FORMATS)):
+        raise ValueError(f"{fn}: fmt must be 0 (fp8), 1 (fp4) or 2 (bf16), got {fmt} (fp32 weights have no fast "
+                         "path: gemm_panels)")
+    check_args(fn, a, w, w_scale, fmt, n, experts)
+
+
+@torch.library.register_fake("dsneuron::gemm_fast")
+def _gemm_fast_fake(a, w, w_scale, fmt, n):
+    _check("gemm_fast", a, w, w_scale, fmt, n)
+    return a.new_empty((a.shape[0], n))
+
+
+@torch.library.register_fake("dsneuron::gemm_fast_acc")
+def _gemm_fast_acc_fake(a, w, w_scale, fmt, n, init):
+    _check("gemm_fast_acc", a, w, w_scale, fmt, n)
+    if init.dim() != 2 or init.dtype != torch.float32 or tuple(init.shape) != (a.shape[0], n):
+        raise ValueError(f"gemm_fast_acc: init must be a Float tensor [M, n] = [{a.shape[0]}, {n}], got "
+                         f"{init.dtype} {tuple(init.shape)}")
+    return a.new_empty((a.shape[0], n))
+
+
+@torch.library.register_fake("dsneuron::gemm_fast_segments")
+def _gemm_fast_segments_fake(a, offsets, w, w_scale, fmt, n):
+    if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1:
+        raise ValueError(f"gemm_fast_segments: offsets must be a Long tensor [E+1], got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    _check("gemm_fast_segments", a, w, w_scale, fmt, n, experts=offsets.shape[0] - 1)
+    return a.new_empty((a.shape[0], n))
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+def gemm_fast_ref(a: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The value the fast GEMM rounds, in float64: bf16(a) fp32 [M, K] @ W.T with W the exact
+    dequantised checkpoint-format weight [N, K] (cpu_gemm.dequant_weight) -> float64 [M, N]."""
+    return a.to(torch.bfloat16).double() @ dequant_weight(fmt, weight, scale).double().T
+
+
+def error_bound(a: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [M, N]: a bound on |gemm_fast - gemm_fast_ref|: each of the K/32 block partials takes
+    <= 32 fp32 roundings and the block sum K/32 more, so (K + K/32 + 1) * 2^-24 * sum_k |a_bf16 w|
+    (flushed denormals add at most K * 2^-126 * max|scale|, far below it for the model's values)."""
+    k = a.shape[1]
+    mag = a.to(torch.bfloat16).double().abs() @ dequant_weight(fmt, weight, scale).double().abs().T
+    return (k + k // BLOCK + 1) * 2.0**-24 * mag

@@ -1,0 +1,137 @@
+"""Tests of kernels_nki/cpu_gemm_fast.py: the fast-numerics GEMM ops (bf16 dot products).
+
+Bounded: within `error_bound` of the float64 value of bf16(a) @ W.T on all three formats (random
+shapes, every FP8 code but NaN, every FP4 code), and within bf16 rounding of torch.mm on bf16
+operands. Bitwise on one host: a row alone equals the row inside a batch of 1..8 (and at any place
+in it), one thread equals two, the grouped op equals per-expert calls, a GEMM continued from init
+is the same sum. Exact weight expansion: an identity activation reads back every FP8 code (NaN
+included) as its value times its scale. Bad arguments raise ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dsneuron.kernels_nki import cpu_gemm as G
+from dsneuron.kernels_nki import cpu_gemm_fast as F
+from tests.test_cpu_gemm import activations, assert_bits, checkpoint_weight
+
+FAST = settings(max_examples=25, deadline=None, derandomize=True)
+OPS = torch.ops.dsneuron
+
+
+def run(fmt, a, weight, scale):
+    return F.gemm(a, G.prepare_weight(fmt, weight, scale), fmt, weight.shape[-2])
+
+
+@FAST
+@given(fmt=st.sampled_from(F.FAST_FORMATS), m=st.integers(0, 30), n=st.integers(1, 70), kb=st.integers(1, 40),
+       seed=st.integers(0, 2**31 - 1))
+def test_within_the_bound_of_the_float64_value(fmt, m, n, kb, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weight, scale = checkpoint_weight(fmt, n, 32 * kb, gen)
+    a = activations(m, 32 * kb, gen)
+    err = (run(fmt, a, weight, scale).double() - F.gemm_fast_ref(a, fmt, weight, scale)).abs()
+    assert (err <= F.error_bound(a, fmt, weight, scale)).all()
+
+
+@pytest.mark.parametrize("fmt", F.FAST_FORMATS)
+def test_close_to_torch_mm_bf16(fmt):
+    """The reference a bf16 GEMM user would reach for: torch.mm on bf16 operands, fp32 out."""
+    gen = torch.Generator().manual_seed(3)
+    weight, scale = checkpoint_weight(fmt, 96, 512, gen)
+    a = activations(17, 512, gen)
+    w = G.dequant_weight(fmt, weight, scale)
+    want = torch.mm(a.to(torch.bfloat16), w.to(torch.bfloat16).T).float()
+    got = run(fmt, a, weight, scale)
+    mag = a.abs().to(torch.bfloat16).float() @ w.abs().T
+    assert ((got - want).abs() <= 2**-7 * mag + 1e-30).all()
+
+
+def test_expansion_is_exact_for_every_fp8_code():
+    """Weight row n holds code n at k = 0 and zeros elsewhere; a = e_0 reads back every code's value
+    times its scale, subnormals and the NaN codes (e4m3fn 0x7F / 0xFF) included."""
+    codes = torch.zeros(256, 32, dtype=torch.uint8)
+    codes[:, 0] = torch.arange(256, dtype=torch.uint8)
+    scale = torch.full((8, 1), 125, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2^-2
+    out = run("fp8", torch.eye(32)[:1], codes.view(torch.float8_e4m3fn), scale)[0]
+    want = codes[:, 0].view(torch.float8_e4m3fn).float() * 0.25
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())  # -0 reads back as +0: sums start from +0
+
+
+@pytest.mark.parametrize("fmt", F.FAST_FORMATS)
+def test_a_row_is_the_same_in_every_batch(fmt):
+    """Batch invariance: row r of a batch of M (1..8, and a prefill's 40) is bit for bit the row alone."""
+    gen = torch.Generator().manual_seed(5)
+    weight, scale = checkpoint_weight(fmt, 40, 256, gen)
+    a = activations(40, 256, gen)
+    alone = torch.cat([run(fmt, a[r:r + 1], weight, scale) for r in range(40)])
+    for m in (*range(1, 9), 40):
+        for r0 in range(0, 40 - m + 1, max(1, m // 2)):
+            assert_bits(run(fmt, a[r0:r0 + m], weight, scale), alone[r0:r0 + m])
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 29])
+def test_threads_do_not_matter(m):
+    gen = torch.Generator().manual_seed(m)
+    weight, scale = checkpoint_weight("fp8", 70, 512, gen)
+    a = activations(m, 512, gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run("fp8", a, weight, scale)
+        torch.set_num_threads(2)
+        two = run("fp8", a, weight, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert_bits(one, two)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+def test_segments_equal_per_expert_calls(fmt):
+    gen = torch.Generator().manual_seed(11)
+    weight, scale = checkpoint_weight(fmt, 24, 128, gen, lead=(3,))
+    offsets = torch.tensor([0, 2, 2, 15])
+    a = activations(15, 128, gen)
+    prep = G.prepare_weight(fmt, weight, scale)
+    got = F.gemm_segments(a, offsets, prep, fmt, 24)
+    for e in range(3):
+        rows = slice(int(offsets[e]), int(offsets[e + 1]))
+        assert_bits(got[rows], run(fmt, a[rows], weight[e], None if scale is None else scale[e]))
+
+
+def test_continued_from_init_is_the_same_sum():
+    """Splitting K in two shards (cpu_gemm.gemm_acc's use): the second continued from the first
+    equals the whole GEMM, bit for bit (block partials and their order are the same)."""
+    gen = torch.Generator().manual_seed(2)
+    weight, scale = checkpoint_weight("fp8", 32, 256, gen)
+    a = activations(5, 256, gen)
+    first = run("fp8", a[:, :128], weight[:, :128], scale[:, :4])
+    prep = G.prepare_weight("fp8", weight[:, 128:].contiguous(), scale[:, 4:].contiguous())
+    assert_bits(F.gemm_acc(a[:, 128:].contiguous(), prep, "fp8", 32, first), run("fp8", a, weight, scale))
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_bad_arguments(fake):
+    gen = torch.Generator().manual_seed(0)
+    weight, scale = checkpoint_weight("fp8", 16, 64, gen)
+    prep = G.prepare_weight("fp8", weight, scale)
+    a = torch.zeros(2, 64)
+    calls = [((a, prep["w"], prep["w_scale"], 3, 16), "fp32 weights have no fast path"),
+             ((a[:, :48], prep["w"], prep["w_scale"], 0, 16), "positive multiple of 32"),
+             ((a, prep["w"], prep["w_scale"][:, :1], 0, 16), "w_scale must be"),
+             ((a, prep["w"], prep["w_scale"], 0, 17), "n must be in")]
+    for args, msg in calls:
+        with pytest.raises(ValueError, match=msg):
+            if fake:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    OPS.gemm_fast(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
+            else:
+                OPS.gemm_fast(*args)
+    with pytest.raises(ValueError, match="fp32 weights stay on gemm_panels"):
+        F.gemm(a, prep, "fp32", 16)

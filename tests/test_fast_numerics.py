@@ -1,0 +1,62 @@
+"""A micro bundle compiled with `--numerics fast` (one prefill bucket of 16, one decode bucket of 64,
+no probes): its manifest declares it, its executables call the fast GEMM ops, its generated text
+is deterministic, `compare` against the golden (which re-runs with the bundle's numerics) is within
+FAST_FLOOR_FACTOR of the floors, and the CLI refuses an unknown mode with exit code 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsneuron.compiler.compare import compare_sequence, end_to_end_verdict
+from dsneuron.compiler.config import load_config
+from dsneuron.runtime_min.session import Session
+
+#: the fast-mode tolerance of `compare`'s end-to-end verdict: the bundle's mean 1 - cos may be this
+#: many times the larger floor's (reversed K blocks, nudged embedding). Fast numerics rounds every
+#: GEMM's activation to bf16 (the head's fp32 input included) and sums in pairs, a deviation of a
+#: few bf16 steps per GEMM where the floors' is one reordering or one step: README "Two numerics modes"
+FAST_FLOOR_FACTOR = 8.0
+
+
+@pytest.fixture(scope="module")
+def fast_bundle(tmp_path_factory, micro_checkpoint):
+    """About 4-5 minutes on 2 cores (two AOTInductor compiles)."""
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+                                      chunked_prefill=False, checkpoint=str(micro_checkpoint), numerics="fast")
+    root = tmp_path_factory.mktemp("micro_fast")
+    parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
+    return compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache")
+
+
+def test_fast_bundle_declares_and_calls_the_fast_ops(fast_bundle):
+    s = Session.load(fast_bundle)
+    assert s.manifest.numerics == "fast" and s.manifest.schema_version == 5
+    assert {"dsneuron::gemm_fast", "dsneuron::gemm_fast_segments"} <= set(s.manifest.compiler["custom_ops"])
+    assert "dsneuron::gemm_panels" in s.manifest.compiler["custom_ops"]  # the fp32 mHC projections stay exact
+
+
+def test_fast_bundle_text_is_deterministic(fast_bundle):
+    first = Session.load(fast_bundle).generate_ids(["Hello world"], 8)
+    assert Session.load(fast_bundle).generate_ids(["Hello world"], 8) == first
+
+
+def test_fast_bundle_compares_within_the_fast_floor(fast_bundle, micro_golden):
+    ids = torch.randint(0, 128000, (15,), generator=torch.Generator().manual_seed(1)).tolist()
+    v = end_to_end_verdict(compare_sequence(Session.load(fast_bundle), micro_golden, "random", ids, 11))
+    assert v["bundle"] <= FAST_FLOOR_FACTOR * max(v["floor"], v["nudge"]), v
+
+
+def test_unknown_numerics_exits_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", "compile", "--config", "micro", "--numerics", "foo",
+                        "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "--numerics: must be one of exact, fast (got 'foo')" in r.stderr
+    assert not (tmp_path / "b").exists()
