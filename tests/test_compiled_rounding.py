@@ -138,16 +138,14 @@ def test_compiled_rmsnorm_in_the_cpu_targets_order_equals_eager(shape):
 def test_ieee_sqrt_is_the_correctly_rounded_root_where_eager_sqrt_is_not():
     """`ieee_sqrt` on every fp32 value in [1, 4) (each mantissa at both exponent parities): the IEEE
     root (numpy's fp32 sqrt, the hardware's). Eager ATen's fp32 sqrt, MKL's vsSqrt in HA mode, is
-    one ulp off for about 1 in 6 of them: the cause of the router's compiled-vs-eager difference
-    (next test)."""
+    one ulp off for some of them, how many depends on the host's MKL code path (about 1 in 6 on an
+    AVX2 EPYC, 0.6% on an AVX512 Xeon): the cause of the router's compiled-vs-eager difference
+    (next test), so only ieee_sqrt itself is asserted here."""
     x = torch.from_numpy((np.float32(1.0).view(np.int32) + np.arange(1 << 24, dtype=np.int32)).view(np.float32))
     want = torch.from_numpy(np.sqrt(x.numpy()))
     assert torch.equal(ieee_sqrt(x).view(torch.int32), want.view(torch.int32))
     with gemm_order("fused"):  # the neuron steps keep the device's fp32 op
         assert torch.equal(ieee_sqrt(x[:8]), x[:8].sqrt())
-    if torch.backends.mkl.is_available():
-        off = (x.sqrt() != want).float().mean().item()
-        assert off > 0.1, f"eager fp32 sqrt is now off at {off:.2%} only: ieee_sqrt's float64 detour may no longer be needed"
 
 
 @pytest.mark.parametrize("tokens", [1, 24])
