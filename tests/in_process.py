@@ -38,9 +38,7 @@ def served(session, script: str | None = None, delay: float = 0.0, **limits):
     """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/server.py
     Limits fields) whose requests sample `script` (when given), `delay` seconds a token; yields
     (base URL, the Requests it queued)."""
-    import uvicorn
-
-    from dsneuron.runtime_min.server import Engine, Limits, create_app, listen
+    from dsneuron.runtime_min.server import Engine, Limits, create_app
 
     seen = []
 
@@ -51,8 +49,20 @@ def served(session, script: str | None = None, delay: float = 0.0, **limits):
             r.constraint = Script(ids, session.manifest.tokenizer.eos_token_id, session.vocab_size, delay)
 
     engine = Engine(session, 8)
-    sock = listen("127.0.0.1", 0)
     app = create_app(engine, "bundle", limits=Limits(**limits), request_hook=hook)
+    with running(engine, app) as url:
+        yield url, seen
+
+
+@contextmanager
+def running(engine, app):
+    """`app` on uvicorn in a thread at 127.0.0.1 on a free port, with `engine` started; yields the
+    base URL and stops both (the server's thread joined) when the block ends."""
+    import uvicorn
+
+    from dsneuron.runtime_min.server import listen
+
+    sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     engine.start()
@@ -60,7 +70,7 @@ def served(session, script: str | None = None, delay: float = 0.0, **limits):
     while not server.started:
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", seen
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     finally:
         server.should_exit = True
         thread.join(30)

@@ -28,7 +28,7 @@ import pytest
 
 import stand_in
 from dsneuron.runtime_min import chat
-from in_process import client, served
+from in_process import client, running, served
 from dsneuron.runtime_min.scheduler import Request
 from dsneuron.runtime_min.session import Session
 
@@ -295,9 +295,7 @@ def gated_server(session: Session, max_queue: int, step_delay: float = 0.0):
     """The server app over 127.0.0.1 in this process, its engine's steps held until `gate` is set
     (and slowed by step_delay seconds each), so queue and disconnect cases are deterministic.
     Yields (base URL, engine, gate)."""
-    import uvicorn
-
-    from dsneuron.runtime_min.server import Engine, create_app, listen
+    from dsneuron.runtime_min.server import Engine, create_app
 
     engine = Engine(session, max_queue)
     gate = threading.Event()
@@ -309,21 +307,11 @@ def gated_server(session: Session, max_queue: int, step_delay: float = 0.0):
         real_step()
 
     engine.scheduler.step = held_step
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "bundle"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    engine.start()
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", engine, gate
-    finally:
-        gate.set()
-        server.should_exit = True
-        thread.join(30)
-        engine.stop()
-        sock.close()
+    with running(engine, create_app(engine, "bundle")) as url:
+        try:
+            yield url, engine, gate
+        finally:
+            gate.set()  # before the engine stops: a held step would wait for it
 
 
 def _until(cond, seconds: float = 10.0) -> bool:
