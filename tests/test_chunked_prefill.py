@@ -13,7 +13,7 @@ import torch
 
 from dsneuron.compiler.compare import logit_metrics
 from dsneuron.graphs.golden import chunk_lengths
-from dsneuron.graphs.model import gemm_order, nudged_embedding
+from dsneuron.graphs.numerics import gemm_order, nudged_embedding
 from dsneuron.graphs.steps import decode, init_state, prefill_chunk
 
 L = 34  # past the window twice, 17 ratio-2 groups (candidate filter and top-k both choosing)

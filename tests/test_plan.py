@@ -118,7 +118,8 @@ def test_custom_op_formulas_match_their_torch_references():
 def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
     """FLOPs of one real eager step of `cfg` (uninitialised weights: the count does not depend on
     values), the MoE in its routed loop (each expert on the tokens routed to it), ascending order."""
-    from dsneuron.graphs.model import Transformer, gemm_order
+    from dsneuron.graphs.model import Transformer
+    from dsneuron.graphs.numerics import gemm_order
     from dsneuron.graphs.steps import decode, init_state, n_engram_cols, prefill
     from dsneuron.kernels_nki.formats import neuron_spelling
 
