@@ -7,9 +7,9 @@ End to end, teacher-forced. Per prompt, the bundle generates `n_decode` tokens g
 and the golden then both run prefill + one decode step per token on that same sequence. Per step:
 logits cosine, max relative error (max |d| / max |ref|), KL(golden || bundle), top-5 overlap, argmax
 match and the golden's top-1/top-2 margin. Next to each, two floors: the golden compared with itself
-(a) with every block-scaled GEMM summing its K blocks in reverse order (graphs.model.gemm_order; the
+(a) with every block-scaled GEMM summing its K blocks in reverse order (graphs.numerics.gemm_order; the
 compiled steps sum each GEMM in the library's order, a difference of that kind) and (b) with its
-embedding output moved one bf16 step up (graphs.model.nudged_embedding: how far one rounding
+embedding output moved one bf16 step up (graphs.numerics.nudged_embedding: how far one rounding
 difference carries). (a) can be exactly 0 on small models and short prompts, where no fp32
 reordering happens to flip a bf16 rounding; (b) is never 0. The verdict: the bundle's mean 1 - cos
 over the steps is no worse than the larger of the two floors' (`end_to_end_verdict`).
@@ -148,7 +148,8 @@ def local_reruns(model: Any, probes: dict[str, torch.Tensor], prefill_len: int |
     golden's hash ids of this step's tokens) the engram layers are re-run too. The mixes, the MoE
     (in its exported form: dense at prefill, routed experts gathered at decode) and the head are
     pure functions of their recorded inputs."""
-    from dsneuron.graphs.model import Capture, hc_post
+    from dsneuron.graphs.context import Capture
+    from dsneuron.graphs.mhc import hc_post
     from dsneuron.graphs.steps import init_state
 
     if (prefill_len is None) == (decode_pos is None) or (decode_pos is not None and state is None):
@@ -291,7 +292,7 @@ def compare_records(got: list[Any], compiler: dict[str, Any], golden: Any, name:
     """`compare_sequence` on the bundle's records of that sequence, already run: got, the
     Session.teacher_forced records; compiler, `declared_numerics` of the bundle's manifest (its GEMM
     order, indexer mode and kernel numerics, which the local re-runs take)."""
-    from dsneuron.graphs.model import gemm_order, indexer_mode, kernel_numerics, nudged_embedding
+    from dsneuron.graphs.numerics import gemm_order, indexer_mode, kernel_numerics, nudged_embedding
 
     probes = bool(got[0].probes)
     ref = golden.teacher_forced(seq, n_prompt, capture=probes)

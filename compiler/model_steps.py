@@ -42,7 +42,7 @@ class GraphsStepFactory:
     def __init__(self, cfg: ModelConfig, models: dict[int, torch.nn.Module], probes: bool = False, order: str = "fused",
                  indexer: str = "official", shard: tuple[int, int, int] | None = None, numerics: str = "exact"):
         self.cfg, self.models, self.probes, self.order, self.indexer = cfg, models, probes, order, indexer
-        #: the cpu kernels' numerics the stages trace with (graphs.model.kernel_numerics)
+        #: the cpu kernels' numerics the stages trace with (graphs.numerics.kernel_numerics)
         self.numerics = numerics
         #: (tp, ep, rank) of a sharded compile: the rank's graphs hold its expert ids and vocabulary rows
         self.shard = shard

@@ -79,7 +79,7 @@ in docs/planning.md "Instances"), trn2.48xlarge = 16 chips, 1536 GiB, 46.4 TB/s
 (trn2-arch.rst); trn2.3xlarge = one trn2 chip (AWS EC2 instance-type page; not in the Neuron
 docs); trn1 chip 32 GiB, 820 GB/s, 2 NeuronCore-v2; trn1.32xlarge = 16 chips, trn1.2xlarge = 1
 (trn1-arch.rst). The cpu target is this host: one rank, its physical memory, and its read bandwidth
-as `--bandwidth-gbs` gives it, else measured when the plan is made (kernels_nki/cpu_bench.py
+as `--bandwidth-gbs` gives it, else measured when the plan is made (bench/cpu_gemm.py
 `stream_gbs`: a 1 GiB fp32 sum, median of 3; README's bench measured 16.6-25.4 GB/s on the
 development VM); the header line and the JSON's instance note say which.
 """
@@ -143,7 +143,7 @@ INSTANCES: dict[str, Instance] = {
     "trn1.32xlarge": Instance("trn1.32xlarge", 16, **_TRN1),
     "trn1n.32xlarge": Instance("trn1n.32xlarge", 16, **_TRN1),
 }
-#: runs of the host bandwidth measurement (kernels_nki/cpu_bench.py stream_gbs), median taken
+#: runs of the host bandwidth measurement (kernels_nki/host_limits.py stream_gbs), median taken
 HOST_BANDWIDTH_RUNS = 3
 
 
@@ -162,7 +162,7 @@ def host_instance(bandwidth_gbs: float | None = None) -> Instance:
     if bandwidth_gbs is not None:
         gbs, how = check_bandwidth(bandwidth_gbs), "given by --bandwidth-gbs"
     else:
-        from dsneuron.kernels_nki.cpu_bench import stream_gbs
+        from dsneuron.kernels_nki.host_limits import stream_gbs
 
         gbs = stream_gbs(HOST_BANDWIDTH_RUNS)
         how = f"measured (1 GiB fp32 sum, median of {HOST_BANDWIDTH_RUNS})"

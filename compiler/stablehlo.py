@@ -10,7 +10,7 @@ FxImporter and lowers it with torch-mlir's StableHLO pipeline. What it does beyo
 - Respellings before the import (`respell`): `aten.__lshift__` / `__rshift__` (which the Torch to
   StableHLO conversion refuses) as `bitwise_left_shift` / `bitwise_right_shift`; `aten.sort.stable`
   (not imported) as `aten.sort`, then every `stablehlo.sort` marked `is_stable` (a stable sort is a
-  valid result of any sort, and the model's one tie rule needs stability: graphs/model.py
+  valid result of any sort, and the model's one tie rule needs stability: graphs/numerics.py
   `stable_topk_indices`); `aten.empty_strided` as zeros (the value is never read).
 - Constants as dense elements attributes (`DenseLiterals`): torch-mlir writes tensors of more than
   one element as `dense_resource` blobs, which XLA's StableHLO -> HLO conversion does not take.

@@ -195,7 +195,7 @@ def eager_outputs(step: torch.nn.Module, inputs: list[torch.Tensor]) -> tuple[li
     """(the step's outputs, the same step's with exact GEMMs, with its embedding one bf16 step up),
     run eagerly by torch in the neuron spelling: the reference and the two floors of
     `compare_outputs`. step: a graphs.steps step module (its `order` is the GEMM order)."""
-    from dsneuron.graphs.model import nudged_embedding
+    from dsneuron.graphs.numerics import nudged_embedding
     from dsneuron.kernels_nki.formats import neuron_spelling
 
     with torch.no_grad(), neuron_spelling():

@@ -21,10 +21,10 @@ from dsneuron import UserError
 MAX_VOCAB_SIZE = 2**31
 
 
-#: how the indexer scores (graphs.model `_Numerics.indexer`): the reference's bf16 expression, or
+#: how the indexer scores (graphs.numerics `_Numerics.indexer`): the reference's bf16 expression, or
 #: the FP4 MQA-logits op on the operands' bytes
 INDEXER_MODES = ("official", "kernel")
-#: the numerics of the cpu kernels (graphs.model `kernel_numerics`), the first the default: "exact"
+#: the numerics of the cpu kernels (graphs.numerics `kernel_numerics`), the first the default: "exact"
 #: (fixed fp32 order, bit-identical to the golden on every host) or "fast" (bf16 dot products)
 NUMERICS_MODES = ("exact", "fast")
 

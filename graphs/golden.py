@@ -19,7 +19,9 @@ from dsneuron.runtime_min.engram_hash import NgramHasher
 from .checkpoint import load_checkpoint
 from .config import ModelConfig
 from .engram import engram_layout, engram_params
-from .model import Capture, Linear, Transformer, gemm_order
+from .context import Capture
+from .model import Linear, Transformer
+from .numerics import gemm_order
 from .steps import decode, prefill, prefill_chunk
 from .weights import build_model, model_weights
 

@@ -5,7 +5,7 @@ panels of 16 output rows (`prepare_weight`): same bytes as the checkpoint, scale
 The bundle stores the checkpoint tensors and a list of recipes (runtime_min/schema.py `Prepare`);
 the runtime applies them once at load, and the executables take the prepared tensors. This module
 lists the recipes of a model and attaches the prepared tensors to it as buffers, where the
-model's "kernel" GEMM paths read them (graphs/model.py):
+model's "kernel" GEMM paths read them (graphs/model.py, through graphs/dispatch.py):
 
 | module | buffers | recipe |
 |---|---|---|

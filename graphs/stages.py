@@ -43,8 +43,9 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import (Capture, Transformer, embed_stream, engram_at, gemm_order, head_logits, indexer_mode, kernel_numerics,
-                    step_inputs)
+from .context import Capture, step_inputs
+from .model import Transformer, embed_stream, engram_at, head_logits
+from .numerics import gemm_order, indexer_mode, kernel_numerics
 from .steps import init_state, state_layout
 
 #: the data inputs of each step besides engram_ids; a chunk (graphs/steps.py prefill_chunk) is a
@@ -139,11 +140,11 @@ class _Captures(nn.Module):
 
     probes: bool = False
     probe_names: tuple[str, ...] | None = None
-    #: the GEMM order the stage runs or traces with (graphs.model.gemm_order)
+    #: the GEMM order the stage runs or traces with (graphs.numerics.gemm_order)
     order: str = "ascending"
-    #: the indexer mode it runs or traces with (graphs.model.indexer_mode)
+    #: the indexer mode it runs or traces with (graphs.numerics.indexer_mode)
     indexer: str = "official"
-    #: the cpu kernels' numerics it runs or traces with (graphs.model.kernel_numerics)
+    #: the cpu kernels' numerics it runs or traces with (graphs.numerics.kernel_numerics)
     numerics: str = "exact"
 
     def forward(self, *inputs: torch.Tensor):

@@ -43,7 +43,9 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .model import Capture, Transformer, gemm_order, indexer_mode
+from .context import Capture
+from .model import Transformer
+from .numerics import gemm_order, indexer_mode
 from .quant import COMPRESS_KV_FORMAT, INDEX_K_FORMAT, StateFormat, window_format
 
 
@@ -140,7 +142,7 @@ def prefill_chunk(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, v
 
 class _Probes:
     """Stage probes of a step module: with `probes` set, the step also returns every tensor the
-    model's Capture records (graphs.model), in `probe_names()` order, after the state.
+    model's Capture records (graphs.context), in `probe_names()` order, after the state.
     Used to build probe bundles for the stage-by-stage golden comparison (`dsneuron compare`)."""
 
     probes: bool = False
@@ -171,9 +173,9 @@ class _Probes:
 class PrefillStep(_Probes, nn.Module):
     """Exportable prefill at a fixed (batch, seq_len) bucket; weights are `model`'s parameters.
 
-    order: the K-block order of every block-scaled GEMM (graphs.model.gemm_order); "fused" by
+    order: the K-block order of every block-scaled GEMM (graphs.numerics.gemm_order); "fused" by
     default, one GEMM node per projection, which keeps the graph (and its compile time) small.
-    indexer: the indexer mode (graphs.model.indexer_mode), "official" by default.
+    indexer: the indexer mode (graphs.numerics.indexer_mode), "official" by default.
     probes: also return every captured stage tensor (see _Probes).
 
     forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])

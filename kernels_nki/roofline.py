@@ -227,7 +227,7 @@ def estimate(w: Work, core: Trn2Core = Trn2Core()) -> Estimate:
 
 
 #: (kernel, shape name, work function, kwargs, useful flops). Tiny: configs/tiny.json at the
-#: kernels_nki.bench shapes; real: V4.1-Flash (docs/architecture.md "Tokenizer and configs"): 64 heads of 512,
+#: bench.ops shapes; real: V4.1-Flash (docs/architecture.md "Tokenizer and configs"): 64 heads of 512,
 #: window 128 + index top-k 512; indexer 32 heads of 128 over ratio-2 compressed keys; candidate
 #: path 2048 blocks of 8. Prefill 4096 tokens (ks = 0, causal), decode one token at 64K context.
 def _cases():

@@ -31,7 +31,7 @@ _spent = 0.0  # seconds this process has spent inside the collectives' torch.dis
 def collective_seconds() -> float:
     """Wall seconds this process has spent in the collectives' torch.distributed calls so far: the
     transfers plus the wait for the ranks before it in a chain (what sharding costs a step, beside
-    the compute it divides). compiler/bench_parallel.py and Session's decode stats read it."""
+    the compute it divides). bench/parallel.py and Session's decode stats read it."""
     return _spent
 
 

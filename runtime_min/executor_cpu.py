@@ -118,7 +118,7 @@ class StagedExecutable:
     Construction raises BundleError as CpuExecutable does, per stage file.
 
     stage_seconds: None, or a dict that `run` then adds each stage's wall seconds to, keyed by
-    stage name (`layers.3.ffn`): the benchmark's per-stage table (compiler/bench.py)."""
+    stage name (`layers.3.ffn`): the benchmark's per-stage table (bench/bundle.py)."""
 
     def __init__(self, root: Path, bucket: Bucket, weights: dict[str, torch.Tensor]):
         self.bucket = bucket

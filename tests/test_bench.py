@@ -1,10 +1,10 @@
-"""The main benchmark's per-stage figures (compiler/bench.py): stage timers, bytes read, GEMM shapes."""
+"""The main benchmark's per-stage figures (bench/bundle.py): stage timers, bytes read, GEMM shapes."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsneuron.compiler.bench import by_stage_kind, decode_bytes, gemm_shapes, stage_read_bytes
+from dsneuron.bench.bundle import by_stage_kind, decode_bytes, gemm_shapes, stage_read_bytes
 from dsneuron.runtime_min.session import Session
 
 
@@ -36,7 +36,7 @@ def test_stage_timers_time_every_stage_inside_the_step(timed_decode):
 
 def test_stage_read_bytes_match_the_checkpoint_bytes_a_token_reads(timed_decode, micro_bundle, micro_checkpoint):
     """Two independent counts: the executables' tensors (scales widened to fp32) and the checkpoint's
-    safetensors headers (compiler/bench.py decode_bytes)."""
+    safetensors headers (bench/bundle.py decode_bytes)."""
     session, _, _ = timed_decode
     model = micro_bundle.model_cfg.to_dict()
     read = stage_read_bytes(_bucket(session, "decode"), session.runner.weights, model)
@@ -81,7 +81,7 @@ def test_numerics_side_by_side_table():
 
     from rich.console import Console
 
-    from dsneuron.compiler.bench import report_modes
+    from dsneuron.bench.bundle import report_modes
 
     def mode(prefill_s: float, decode_s: float) -> dict:
         return {"compile_cold_s": 60.0, "decode_step_s": {1: decode_s, 8: 2 * decode_s},

@@ -97,7 +97,7 @@ def test_mixed_length_batch_tracks_each_prompt_alone(full_session, micro_golden)
     """Two prompts of different lengths in one batch-2 prefill: each row's logits track the golden
     run of that prompt alone no worse than the floors do (padding of the short row never leaks)."""
     from dsneuron.compiler.compare import logit_metrics
-    from dsneuron.graphs.model import gemm_order, nudged_embedding
+    from dsneuron.graphs.numerics import gemm_order, nudged_embedding
 
     s = full_session
     rows = [random_ids(9, 1), random_ids(14, 2)]

@@ -13,7 +13,7 @@ import torch
 
 from dsneuron.compiler.compare import logit_metrics
 from dsneuron.graphs.golden import chunk_lengths
-from dsneuron.graphs.model import gemm_order, nudged_embedding
+from dsneuron.graphs.numerics import gemm_order, nudged_embedding
 from dsneuron.graphs.steps import decode, init_state, prefill_chunk
 
 L = 34  # past the window twice, 17 ratio-2 groups (candidate filter and top-k both choosing)
@@ -285,7 +285,7 @@ def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
     8000-token prompt (a prefill of 128, then 62 chunks) and generates after it through the
     scheduler; 8193 tokens are refused naming the capacity (3-11 minutes, mostly the compile)."""
     from dsneuron import UserError
-    from dsneuron.compiler.bench_chunk import compile_bench_bundle
+    from dsneuron.bench.chunk import compile_bench_bundle
     from dsneuron.runtime_min.scheduler import Request
     from dsneuron.runtime_min.session import Session
 

@@ -16,7 +16,8 @@ import torch
 
 from dsneuron.compiler.backend_cpu import DEFAULT_FLAGS
 from dsneuron.compiler.lower import inline_mode
-from dsneuron.graphs.model import RMSNorm, gemm_order, ieee_sqrt
+from dsneuron.graphs.model import RMSNorm
+from dsneuron.graphs.numerics import gemm_order, ieee_sqrt
 from dsneuron.graphs.quant import act_quant_qdq
 from dsneuron.graphs.steps import init_state
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_bf16_ref

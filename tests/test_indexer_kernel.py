@@ -1,4 +1,4 @@
-"""The indexer on the FP4 MQA-logits op (compile option `indexer: kernel`, graphs.model.fp4_index_scores):
+"""The indexer on the FP4 MQA-logits op (compile option `indexer: kernel`, graphs.dispatch.fp4_index_scores):
 the operand bytes it builds decode to the QDQ'd values exactly, its scores are the float64 oracle's
 rounded once to bf16, the mode reaches the graphs, the manifest and the cache key, the neuron lowering
 keeps the op (where the NKI kernel goes) and the cpu lowering inlines it on the dynamic prefill."""
@@ -18,7 +18,8 @@ from dsneuron.compiler.export import export_step
 from dsneuron.compiler.lower import custom_ops_in, finish, inline_mode
 from dsneuron.compiler.model_steps import GraphsStepFactory, build_model_parts
 from dsneuron.graphs.config import ConfigError
-from dsneuron.graphs.model import fp4_index_scores, indexer_mode
+from dsneuron.graphs.dispatch import fp4_index_scores
+from dsneuron.graphs.numerics import indexer_mode
 from dsneuron.graphs.quant import INDEX_K_FORMAT, fp4_act_quant_qdq, fp4_operand_bytes, quantize_state
 from dsneuron.kernels_nki.formats import E2M1_VALUES, dequantize_e2m1, neuron_spelling
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_kernel_ref, mqa_logits_ref

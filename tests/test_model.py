@@ -12,8 +12,10 @@ import math
 import pytest
 import torch
 
-from dsneuron.graphs import model as M
-from dsneuron.graphs.model import Capture, select_candidate_blocks, stable_topk_indices
+from dsneuron.graphs import mhc, rope
+from dsneuron.graphs.context import Capture
+from dsneuron.graphs.model import Linear, select_candidate_blocks
+from dsneuron.graphs.numerics import gemm_order, stable_topk_indices
 from dsneuron.graphs.steps import decode, init_state, prefill, prefill_chunk
 
 
@@ -209,7 +211,7 @@ def test_golden_without_its_float64_copies_gives_the_same_logits(golden, micro_c
 
     monkeypatch.setattr(G, "CACHE_LIMIT_BYTES", 0)
     plain = G.Golden(golden.cfg, micro_checkpoint, golden.max_seq_len)
-    lins = [m for m in plain.model.modules() if isinstance(m, M.Linear)]
+    lins = [m for m in plain.model.modules() if isinstance(m, Linear)]
     assert lins and all(m.cached is None for m in lins) and G.float64_cache_bytes(plain.model) > 0
     seq = _tokens(8, seed=7)[0].tolist()
     want, got = golden.teacher_forced(seq, 6), plain.teacher_forced(seq, 6)
@@ -237,13 +239,13 @@ def test_rope_matches_complex_rotation():
     x = torch.randn(2, 5, 3, 64, generator=g).bfloat16()
     ang = torch.rand(2, 5, 32, generator=g) * 100
     cos, sin = torch.cos(ang), torch.sin(ang)
-    got = M.apply_rope(x, cos, sin)
+    got = rope.apply_rope(x, cos, sin)
     xc = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
     ref = torch.view_as_real(xc * torch.polar(torch.ones_like(ang.double()), ang.double()).unsqueeze(2)).flatten(-2)
     # the fp32 rotation is within an fp32 ulp of the float64 one, so the bf16 results agree
     # except where that ulp straddles a bf16 rounding boundary
     assert (got.double() - ref).abs().max() <= 2 * 2.0 ** -8 * ref.abs().max()
-    back = M.apply_rope(got, cos, sin, inverse=True)
+    back = rope.apply_rope(got, cos, sin, inverse=True)
     assert (back.float() - x.float()).abs().max() < 0.05
 
 
@@ -252,8 +254,8 @@ def test_rope_tables_yarn_ramp():
     from dsneuron.compiler.config import load_config
 
     cfg = load_config("tiny")[0]
-    cos0, sin0 = M.rope_tables(cfg, 2, compressed=False)
-    cos1, sin1 = M.rope_tables(cfg, 2, compressed=True)
+    cos0, sin0 = rope.rope_tables(cfg, 2, compressed=False)
+    cos1, sin1 = rope.rope_tables(cfg, 2, compressed=True)
     # position 1: angle = freq
     f0 = torch.atan2(sin0[1].double(), cos0[1].double())
     f1 = torch.atan2(sin1[1].double(), cos1[1].double())
@@ -272,7 +274,7 @@ def test_rope_tables_are_the_reference_freqs_cis(compressed):
     from dsneuron.compiler.config import load_config
 
     cfg = load_config("tiny")[0]
-    cos, sin = M.rope_tables(cfg, 1024, compressed)
+    cos, sin = rope.rope_tables(cfg, 1024, compressed)
     rd = cfg.rope_head_dim
     base = cfg.compress_rope_theta if compressed else cfg.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))
@@ -292,12 +294,12 @@ def test_hc_pre_and_post_follow_fp32_then_one_bf16_rounding():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 4, 64, generator=g).bfloat16()
     pre = torch.rand(2, 3, 4, generator=g)
-    y = M.hc_pre(x, pre)
+    y = mhc.hc_pre(x, pre)
     ref = (pre.double().unsqueeze(-1) * x.double()).sum(2)
     assert torch.equal(y, ref.float().bfloat16()) or (y.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
     post, comb = torch.rand(2, 3, 4, generator=g), torch.rand(2, 3, 4, 4, generator=g)
     f = torch.randn(2, 3, 64, generator=g).bfloat16()
-    out = M.hc_post(f, x, post, comb)
+    out = mhc.hc_post(f, x, post, comb)
     ref = post.double().unsqueeze(-1) * f.double().unsqueeze(-2) + torch.einsum("bsij,bsid->bsjd", comb.double(), x.double())
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
@@ -306,7 +308,7 @@ def test_hc_pre_and_post_follow_fp32_then_one_bf16_rounding():
 def test_sinkhorn_comb_is_doubly_stochastic():
     g = torch.Generator().manual_seed(2)
     mixes = torch.randn(5, 24, generator=g)
-    pre, post, comb = M.hc_split_sinkhorn(mixes, torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
+    pre, post, comb = mhc.hc_split_sinkhorn(mixes, torch.ones(3), torch.zeros(24), 4, 20, 1e-6)
     assert torch.all(pre > 0) and torch.all(pre < 1 + 1e-5) and torch.all((post > 0) & (post < 2))
     torch.testing.assert_close(comb.sum(-2), torch.ones(5, 4), atol=1e-5, rtol=0)
     torch.testing.assert_close(comb.sum(-1), torch.ones(5, 4), atol=1e-3, rtol=0)
@@ -320,7 +322,7 @@ def test_sinkhorn_follows_the_kernel_expression_bitwise():
     hc, eps = 4, 1e-6
     mixes = torch.randn(64, 24, generator=g) * 3
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
-    _, _, comb = M.hc_split_sinkhorn(mixes, scale, base, hc, 20, eps)
+    _, _, comb = mhc.hc_split_sinkhorn(mixes, scale, base, hc, 20, eps)
     c = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     c = torch.exp(c - c.amax(dim=-1, keepdim=True))
     c = c / c.sum(dim=-1, keepdim=True) + eps
@@ -480,7 +482,7 @@ def test_decode_moe_gathers_only_the_routed_experts(golden, order):
     cached = [lin.cached for lin in linears]
     for n in (1, max_tokens):
         x = torch.randn(1, n, golden.cfg.dim, generator=torch.Generator().manual_seed(n)).bfloat16()
-        with M.gemm_order(order):
+        with gemm_order(order):
             want = moe(x, routed=True)
             assert torch.equal(moe(x, routed=False), want)
             try:

@@ -192,7 +192,7 @@ def test_compiled_sharded_stages_give_the_unsharded_executables_bits(micro_cfg, 
 
 def test_bench_parallel_refuses_an_unwritable_json_before_running(tmp_path, capsys):
     """A --json the figures cannot be written to exits 2 on stderr before the minutes of runs."""
-    from dsneuron.compiler import bench_parallel
+    from dsneuron.bench import parallel as bench_parallel
 
     for bad, says in ((tmp_path / "no" / "r.json", "does not exist"), (tmp_path, "is a folder")):
         with pytest.raises(SystemExit) as e:

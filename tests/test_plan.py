@@ -118,7 +118,8 @@ def test_custom_op_formulas_match_their_torch_references():
 def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
     """FLOPs of one real eager step of `cfg` (uninitialised weights: the count does not depend on
     values), the MoE in its routed loop (each expert on the tokens routed to it), ascending order."""
-    from dsneuron.graphs.model import Transformer, gemm_order
+    from dsneuron.graphs.model import Transformer
+    from dsneuron.graphs.numerics import gemm_order
     from dsneuron.graphs.steps import decode, init_state, n_engram_cols, prefill
     from dsneuron.kernels_nki.formats import neuron_spelling
 
@@ -279,9 +280,9 @@ def _micro_decode_only(tmp_path):
 def test_cpu_bandwidth_flag_sets_the_roofline_and_says_so(monkeypatch, capsys, tmp_path):
     """--bandwidth-gbs 40: the header names it as given, the JSON's per-rank bandwidth is 40e9 B/s and
     the roofline is the slowest rank's bytes at 40 GB/s; nothing is measured."""
-    import dsneuron.kernels_nki.cpu_bench as cpu_bench
+    import dsneuron.kernels_nki.host_limits as host_limits
 
-    monkeypatch.setattr(cpu_bench, "stream_gbs", lambda runs: pytest.fail("measured although --bandwidth-gbs was given"))
+    monkeypatch.setattr(host_limits, "stream_gbs", lambda runs: pytest.fail("measured although --bandwidth-gbs was given"))
     monkeypatch.setenv("COLUMNS", "250")
     out = tmp_path / "plan.json"
     assert run_cli(monkeypatch, "plan", "--config", str(_micro_decode_only(tmp_path)), "--bandwidth-gbs", "40",
@@ -296,11 +297,11 @@ def test_cpu_bandwidth_flag_sets_the_roofline_and_says_so(monkeypatch, capsys, t
 def test_cpu_bandwidth_is_measured_without_the_flag(monkeypatch):
     """Without --bandwidth-gbs the host's bandwidth is stream_gbs's figure (here a stand-in 12.5),
     and the note says it was measured; the real measurement is a positive finite figure."""
-    import dsneuron.kernels_nki.cpu_bench as cpu_bench
+    import dsneuron.kernels_nki.host_limits as host_limits
 
-    real = cpu_bench.stream_gbs(1)
+    real = host_limits.stream_gbs(1)
     assert math.isfinite(real) and real > 0
-    monkeypatch.setattr(cpu_bench, "stream_gbs", lambda runs: 12.5)
+    monkeypatch.setattr(host_limits, "stream_gbs", lambda runs: 12.5)
     inst = P.resolve_instance("cpu", None)
     assert inst.bw_per_rank == 12.5e9 and "read bandwidth 12.5 GB/s measured" in inst.note, inst.note
 

@@ -819,7 +819,7 @@ def test_export_with_neuron_spelling_holds_no_float8_and_computes_the_same():
     weights = {"lin.weight": module.lin.weight, "lin.scale": module.lin.scale}
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     graph = StepGraph(module, (("x", x),), ("y",))
-    from dsneuron.graphs.model import gemm_order
+    from dsneuron.graphs.numerics import gemm_order
 
     plain = export_step(graph, weights, "plain", INPUT_VIEWS)
     with gemm_order("fused"):  # the neuron target's order: one fp32 GEMM (the golden's exact one sums in float64)

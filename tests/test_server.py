@@ -484,9 +484,9 @@ def test_a_sharded_bundle_serves_through_rank_0(micro_bundle, tmp_path):
 
 
 def test_bench_serve_rates_count_tokens_after_the_first():
-    """compiler/bench_serve.py's figures: decode rate = tokens after each stream's first over the
+    """bench/serve.py's figures: decode rate = tokens after each stream's first over the
     span from the earliest first token to the latest last; percentiles by rank."""
-    from dsneuron.compiler.bench_serve import _decode_rate, _pct, mix
+    from dsneuron.bench.serve import _decode_rate, _pct, mix
 
     streams = [{"times": [1.0, 1.5, 2.0], "tokens": 3}, {"times": [1.5, 3.0], "tokens": 5}]
     assert _decode_rate(streams) == pytest.approx((2 + 4) / (3.0 - 1.0))

@@ -118,10 +118,10 @@ def test_slice_bundle_runs_greedy_and_deterministic(slice_bundle):
 @pytest.mark.slow
 def test_plan_decode_bytes_equal_the_checkpoint_headers(slice_bundle):
     """plan's weight bytes one decode token reads (device parts plus the engram rows the host sends)
-    against compiler/bench.py decode_bytes, which sums the slice checkpoint's safetensors headers
+    against bench/bundle.py decode_bytes, which sums the slice checkpoint's safetensors headers
     with the same reading rule. The only slack is the routed experts' k/E share, which plan floors
     per tensor and decode_bytes once: at most one byte per routed expert tensor."""
-    from dsneuron.compiler.bench import decode_bytes
+    from dsneuron.bench.bundle import decode_bytes
     from dsneuron.compiler.model_steps import checkpoint_for
     from dsneuron.graphs.engram import engram_layout
     from dsneuron.graphs.spec import checkpoint_spec

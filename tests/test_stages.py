@@ -66,7 +66,7 @@ def test_each_half_holds_only_its_own_weights(micro_golden):
 def test_staged_probes_are_the_step_captures(micro_golden):
     """With probes on, the stages return every stage tensor the single-graph prefill captures,
     under the same names and bit for bit (a probe bundle's compare tables rely on them)."""
-    from dsneuron.graphs.model import Capture
+    from dsneuron.graphs.context import Capture
 
     g, L = micro_golden, 9
     m = g.model

@@ -168,7 +168,7 @@ def test_the_models_state_holds_exactly_the_values_it_attends_over(micro_cfg, mi
     """Prefill a prompt and decode two tokens: the window ring and the compressed caches decode to
     the QDQ'd values the model captured for them (attn.window_kv, compress_kv.entry)."""
     from dsneuron.graphs import steps
-    from dsneuron.graphs.model import Capture
+    from dsneuron.graphs.context import Capture
 
     cfg = micro_cfg
     W, hd = cfg.window_size, cfg.head_dim

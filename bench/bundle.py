@@ -1,6 +1,6 @@
 """The main-job benchmark: the compiled bundle next to the eager golden model, from one run.
 
-    python -m dsneuron.compiler.bench [--config tiny] [--work DIR] [--repeats 3] [--decode 16] [--json OUT]
+    python -m dsneuron.bench.bundle [--config tiny] [--work DIR] [--repeats 3] [--decode 16] [--json OUT]
         [--prompts short,medium,long] [--no-doubled] [--no-eager] [--batch-sizes 1,2,4,8] [--numerics exact,fast]
 
 Measures, on this host and in this order, each in a child process (so one measurement's memory and
@@ -23,9 +23,9 @@ caches do not count in another's):
    each kind's time beside the bytes its executables read (`stage_read_bytes`) and their roofline;
 6. the longest prefill's effective GFLOP/s (compiler/plan.py `count_flops`) beside the host's bf16
    GEMM rate, torch.mm at the prefill's linear shapes (`gemm_shapes`, `mm_seconds`), and the fp32
-   FMA peak (kernels_nki/cpu_bench.py), measured in the same child;
+   FMA peak (bench/cpu_gemm.py), measured in the same child;
 7. the decode step alone at each of --batch-sizes (a second bundle with those batch buckets,
-   compiled from the warm cache, not timed; compiler/bench_serve.py `decode_step_times`).
+   compiled from the warm cache, not timed; bench/serve.py `decode_step_times`).
 With --numerics naming several cpu kernel numerics (graphs.config.NUMERICS_MODES), items 1-3 and 6-7
 run for the first as above, and each other one gets its own cold compile, bundle measurement (2, 5,
 6: each child measures torch.mm and the FMA peak beside its own prefill) and batch buckets (7); a
@@ -200,7 +200,7 @@ def mm_seconds(shapes: dict[tuple[int, int, int], int], repeats: int) -> tuple[f
     ({(M, K, N): count}), each shape's median of `repeats` calls times its count."""
     import torch
 
-    from dsneuron.graphs.bench import median_seconds
+    from dsneuron.bench.eager import median_seconds
 
     seconds = flops = 0.0
     for (m, k, n), count in shapes.items():
@@ -214,7 +214,7 @@ def mm_seconds(shapes: dict[tuple[int, int, int], int], repeats: int) -> tuple[f
 def _measure_bundle(args: dict) -> dict:
     import torch
 
-    from dsneuron.kernels_nki.cpu_bench import peak_gflops, stream_gbs
+    from dsneuron.kernels_nki.host_limits import peak_gflops, stream_gbs
     from dsneuron.runtime_min.session import Session
 
     t0 = time.perf_counter()
@@ -247,14 +247,14 @@ def _measure_bundle(args: dict) -> dict:
 
 
 def _measure_batches(args: dict) -> dict:
-    from dsneuron.compiler.bench_serve import decode_step_times
+    from dsneuron.bench.serve import decode_step_times
 
     return {"decode_step_s": decode_step_times(Path(args["bundle"]), args["repeats"])}
 
 
 def _measure_eager(args: dict) -> dict:
     from dsneuron.compiler.config import load_config
-    from dsneuron.graphs.bench import eager_timings
+    from dsneuron.bench.eager import eager_timings
     from dsneuron.graphs.golden import Golden
 
     cfg, ccfg, _ = load_config(args["config"])
@@ -273,7 +273,7 @@ def _child(kind: str, args: dict, env: dict[str, str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "args.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(args))
-        subprocess.run([sys.executable, "-m", "dsneuron.compiler.bench", "--child", kind, str(req), str(res)], check=True,
+        subprocess.run([sys.executable, "-m", "dsneuron.bench.bundle", "--child", kind, str(req), str(res)], check=True,
                        env={**os.environ, **(env or {})})
         out = json.loads(res.read_text())
     for key in ("prefill_s", "decode_step_s"):
@@ -304,7 +304,7 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
     float64 weight copies and takes minutes a prompt); numerics: the kernel numerics to measure,
     the first as the main figures ((): the config's only). "modes" holds each one's compile,
     bundle and batch figures."""
-    from dsneuron.compiler.bench_serve import compile_with
+    from dsneuron.bench.serve import compile_with
     from dsneuron.compiler.buckets import PlannedBucket
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.default_prompts import default_prompts

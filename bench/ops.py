@@ -1,6 +1,6 @@
 """Benchmark: each reference custom op against a naive per-token Python loop, at the tiny model's shapes.
 
-    python -m dsneuron.kernels_nki.bench [--runs 7] [--naive-runs 3] [--threads N]
+    python -m dsneuron.bench.ops [--runs 7] [--naive-runs 3] [--threads N]
 
 Both sides run in the same process on the same inputs; the table reports medians and their ratio
 (naive / op) from this one run, plus the largest difference between the two results in bf16 steps

@@ -1,7 +1,7 @@
 """Decode with tensor/expert parallelism against one process, side by side in one run.
 
-    python -m dsneuron.compiler.bench_parallel --config tiny --tp 2 --ep 2 [--decode 8] [--json OUT]
-    python -m dsneuron.compiler.bench_parallel --bundles ONE SHARDED [--decode 8] [--repeats 3] [--json OUT]
+    python -m dsneuron.bench.parallel --config tiny --tp 2 --ep 2 [--decode 8] [--json OUT]
+    python -m dsneuron.bench.parallel --bundles ONE SHARDED [--decode 8] [--repeats 3] [--json OUT]
 
 With --bundles: the compiled path. ONE is a one-process bundle, SHARDED a sharded bundle of the same
 model and plan (`dsneuron compile --tp N`); each generates `--decode` greedy tokens after the

@@ -1,7 +1,7 @@
 """Chunked prefill against a one-shot prefill of the same prompt, side by side in one run.
 
-    python -m dsneuron.compiler.bench_chunk --bundle DIR [--length 256] [--chunk 64] [--repeats 5]
-    python -m dsneuron.compiler.bench_chunk --config tiny --prefill 256 --capacity 512 --work DIR [...]
+    python -m dsneuron.bench.chunk --bundle DIR [--length 256] [--chunk 64] [--repeats 5]
+    python -m dsneuron.bench.chunk --config tiny --prefill 256 --capacity 512 --work DIR [...]
 
 With --config, first compiles the config's model with one prefill bucket of --prefill tokens (a
 token range on the cpu target) and one decode capacity --capacity (> --prefill, so the bundle gets
@@ -29,8 +29,8 @@ from pathlib import Path
 def compile_bench_bundle(config: str, prefill: int, capacity: int, work: Path) -> Path:
     """Compile `config` with batch 1, prefill_seq_lens [prefill], decode_context_lens [capacity]
     into work/bundle (compile cache work/cache); returns the bundle path."""
-    from .compile import build_steps_for_config, compile_bundle
-    from .config import load_config
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
 
     model_cfg, compile_cfg, _ = load_config(config)
     compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(prefill,),
@@ -46,7 +46,7 @@ def measure(bundle: Path, length: int, chunk: int, repeats: int) -> dict:
 
     from dsneuron.runtime_min.runner import Runner
 
-    from .compare import logit_metrics
+    from dsneuron.compiler.compare import logit_metrics
 
     r = Runner.load(bundle)
     ids = torch.randint(3, min(r.vocab_size, 128000), (length,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -1,6 +1,6 @@
 """The serving benchmark: `dsneuron serve` under concurrent OpenAI clients, from one run.
 
-    python -m dsneuron.compiler.bench_serve [--bundle B | --config tiny] [--work DIR] [--streams 8]
+    python -m dsneuron.bench.serve [--bundle B | --config tiny] [--work DIR] [--streams 8]
         [--requests 64] [--clients 16] [--max-tokens 64] [--json OUT]
 
 Without --bundle it compiles --config with batch buckets 1, 2, 4 and 8 (one 128-token prefill

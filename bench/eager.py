@@ -1,9 +1,9 @@
 """Eager golden timings: prefill latency per prompt and decode seconds per token, medians.
 
-    python -m dsneuron.graphs.bench --config tiny --checkpoint DIR [--lengths 11 172 715] [--decode 8]
+    python -m dsneuron.bench.eager --config tiny --checkpoint DIR [--lengths 11 172 715] [--decode 8]
 
 Prints the thread count with every figure; absolute times are noisy on shared machines, so the
-compiled-vs-eager ratios of `python -m dsneuron.compiler.bench` are the figures to quote.
+compiled-vs-eager ratios of `python -m dsneuron.bench.bundle` are the figures to quote.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Benchmark: the fixed-order cpu GEMM kernels (`cpu_gemm`) against MKL, at the tiny model's shapes.
 
-    python -m dsneuron.kernels_nki.cpu_bench [--runs 5] [--threads N] [--ms 20] [--only fp8,fp4,...]
+    python -m dsneuron.bench.cpu_gemm [--runs 5] [--threads N] [--ms 20] [--only fp8,fp4,...]
 
 Side by side in one run, per weight (N x K) and row count M: `gemm` on the prepared weight, torch's
 fp32 F.linear (MKL) on the weight dequantised ahead of time, and dequantise-then-F.linear from the
@@ -15,51 +15,17 @@ Weights up to a few MB stay in the 32 MB L3 across calls, so their decode GB/s c
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
 from dsneuron.graphs.quant import dequant_fp4_weight, dequant_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
 from dsneuron.kernels_nki import cpu_gemm
+from dsneuron.kernels_nki.host_limits import peak_gflops, stream_gbs, timed
 
 #: (format, N, K) of the tiny model (dim 1024): FP8 linears, FP4 experts, the bf16 head, the fp32 mHC.
 SHAPES = [("fp8", 256, 1024), ("fp8", 4096, 256), ("fp8", 512, 1024), ("fp8", 1024, 1024),
           ("fp4", 512, 1024), ("fp4", 1024, 512), ("bf16", 129280, 1024), ("fp32", 24, 4096)]
 ROWS = (1, 4, 11, 172, 715)
-
-
-def timed(fn, runs: int, min_ms: float) -> float:
-    """Median ms of one call over `runs` samples; a sample repeats fn until it lasts min_ms."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    reps = max(1, int(min_ms / 1e3 / max(time.perf_counter() - t0, 1e-9)))
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e3 / reps)
-    return statistics.median(samples)
-
-
-def stream_gbs(runs: int) -> float:
-    """Read bandwidth in GB/s of a 1 GiB fp32 tensor sum."""
-    x = torch.ones(1 << 28)
-    return x.numel() * 4 / timed(x.sum, runs, 0) / 1e6
-
-
-def peak_gflops(runs: int) -> float:
-    from torch.utils import cpp_extension
-
-    src = Path(cpu_gemm.__file__).parent / "cpu" / "fma_peak.cpp"
-    cpp_extension.load(name=f"dsneuron_bench_fma_{cpu_gemm.VARIANT}", sources=[str(src)], is_python_module=False,
-                       extra_cflags=[*cpu_gemm.CFLAGS, *cpu_gemm.ISA_FLAGS[cpu_gemm.VARIANT]])
-    iters = 1 << 24
-    ms = timed(lambda: torch.ops.dsneuron_bench.fma_peak(iters), runs, 0)
-    return torch.get_num_threads() * iters * 12 * 8 * 2 / ms / 1e6
 
 
 def checkpoint(fmt: str, n: int, k: int):
