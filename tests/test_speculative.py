@@ -1,0 +1,200 @@
+"""Speculative decoding (runtime_min/speculative.py) with DSpark (graphs/dspark.py) on the micro golden.
+
+Greedy speculation must give plain greedy decoding's tokens, the logits each token was chosen from
+and the decode state, bit for bit: a verify is a chunk (bit-identical to its decode steps) read at
+every position, and the state after a rejection is the replay of the kept tokens. The oracle
+drafter here is TEST-ONLY: it proposes the model's own greedy tokens (known from plain decoding),
+optionally wrong at one draft position, so every acceptance count is exercised; the real DSpark
+drafter (random weights) accepts almost nothing. Sampling: speculative rejection sampling leaves
+the target's distribution (a chi-square test, bounded: fixed seed, fixed trials).
+
+micro: window 16, DSpark block 3 (k = 3), target layers 3, 4, 5 (layer 2 has engram: layer 3's
+stream is layer 2's output), one DSpark stage. A golden step costs ~2 s on 2 shared cores, so the
+sequences are short; the 1,000-step forced rejection is `-m slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsneuron.graphs.steps import decode, prefill
+from dsneuron.runtime_min import speculative as sp
+
+PROMPT = [5, 17, 23, 99, 1234, 40000]
+N = 5  # new tokens
+K = 3  # micro's dspark_block_size
+
+
+class OracleDrafter:
+    """TEST-ONLY drafter: proposes the continuation of `seq` (prompt + plain greedy tokens) after
+    the fed token, with the draft at position `wrong_at` replaced by a wrong token in every step
+    (None: never wrong). Each row has its own wrong_at."""
+
+    block = K
+
+    def __init__(self, seq: list[int], wrong_at: list[int | None], vocab: int):
+        self.seq, self.wrong_at, self.vocab = seq, wrong_at, vocab
+
+    def start(self, batch):
+        return None
+
+    def seed(self, cache, main_hidden, start, count):
+        return None
+
+    def propose(self, cache, token, pos, k, temperature, generator):
+        out = torch.zeros(len(self.wrong_at), k, dtype=torch.int64)
+        for b, w in enumerate(self.wrong_at):
+            for j in range(k):
+                t = self.seq[min(int(pos[b]) + 2 + j, len(self.seq) - 1)]
+                out[b, j] = (t + 1) % self.vocab if j == w else t
+        return out, None
+
+
+@pytest.fixture(scope="module")
+def plain(micro_golden):
+    """Plain greedy decoding of PROMPT for N tokens: (tokens, the logits each was chosen from, the
+    state after each token fed: states[i] after tokens[:i] (states[0]: the prefill's))."""
+    g = micro_golden
+    seq = list(PROMPT)
+    with torch.inference_mode():
+        logits, state = prefill(g.model, torch.tensor([seq]), torch.tensor([len(seq)]), g.engram_ids(torch.tensor([seq])),
+                                routed=True)
+        tokens, chosen, states = [int(logits.argmax())], [logits[0]], [state]
+        for _ in range(N - 1):
+            seq.append(tokens[-1])
+            eng = g.engram_ids(torch.tensor([seq]))[:, -1:]
+            logits, state = decode(g.model, torch.tensor([[seq[-1]]]), torch.tensor([len(seq) - 1]), eng, state,
+                                   routed=True)
+            tokens.append(int(logits.argmax()))
+            chosen.append(logits[0])
+            states.append(state)
+    return tokens, chosen, states
+
+
+@pytest.fixture(scope="module")
+def drafter(micro_golden, micro_checkpoint):
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DSpark, DSparkDrafter
+    from dsneuron.graphs.engram import engram_layout
+
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    return DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {n: t for n, t in ckpt.items() if n.startswith("mtp.")},
+                                                micro_golden.max_seq_len))
+
+
+def _same_as_plain(res: sp.Generation, plain, row: int, n: int = N) -> None:
+    """Row `row` of a speculative generation of n tokens is plain decoding's first n, bit for bit."""
+    tokens, chosen, states = plain
+    state = states[n - 1]
+    assert res.tokens[row] == tokens[:n], row
+    assert len(res.logits[row]) == n and all(torch.equal(a, b) for a, b in zip(res.logits[row], chosen)), row
+    spec_state = res.state[0]
+    bad = [n for n in state if not torch.equal(spec_state[n][row].nan_to_num(), state[n][0].nan_to_num())]
+    assert not bad, (row, bad)
+
+
+def test_forced_rejection_at_every_position_equals_plain_decoding(micro_golden, plain):
+    """Four rows of one batch, the oracle wrong at draft 0, 1, 2 and never: each row keeps that many
+    drafts a step (rows advance by different counts in the same calls) and ends with plain
+    decoding's tokens, logits and state, bit for bit."""
+    from dsneuron.graphs.dspark import GoldenTarget
+
+    wrong = [0, 1, 2, None]
+    oracle = OracleDrafter(PROMPT + plain[0], wrong, micro_golden.cfg.vocab_size)
+    res = sp.generate(GoldenTarget(micro_golden), oracle, [PROMPT] * len(wrong), N, K)
+    for row in range(len(wrong)):
+        _same_as_plain(res, plain, row)
+    # the steps in call order, the active rows in each: step 1 offers 3 drafts to every row, row j
+    # keeps j (row 3: all, 1 + 3 tokens, done); then a row near its budget is offered fewer
+    # (row 1: 1 draft, kept; row 2: none); row 0 keeps none in each of its 4 steps
+    assert res.stats.accepted == [1, 2, 3, 4, 1, 2, 1, 1, 1]
+    assert res.stats.per_position == [4, 2, 1] and res.stats.replays == 3
+
+
+def test_dspark_drafter_greedy_equals_plain_decoding(micro_golden, plain, drafter):
+    """The real drafter (random weights: it accepts ~nothing) through the same loop: plain
+    decoding's tokens, logits and state bit for bit; the drafts are DSpark's own."""
+    from dsneuron.graphs.dspark import GoldenTarget
+
+    res = sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], 3, K)
+    _same_as_plain(res, plain, 0, 3)
+    assert sum(res.stats.proposed) > 0 and res.stats.mean_acceptance >= 1.0
+
+
+def test_dspark_ring_is_written_in_position_order_and_read_only_where_written(drafter):
+    """seed: a 20-position prompt at once equals one position at a time (window 16: slot p % 16,
+    the newest wins). draft at position 5 reads ring slots 0..5 only (get_dspark_topk_idxs): junk
+    in the other slots changes nothing; a different slot 3 changes the drafts' logits."""
+    d = drafter.dspark
+    cfg = d.cfg
+    hidden = torch.randn(1, 20, cfg.dim * len(cfg.dspark_target_layer_ids), generator=torch.Generator().manual_seed(3))
+    hidden = hidden.to(torch.bfloat16)
+    whole = d.seed(d.init_cache(1), hidden, torch.tensor([0]), torch.tensor([20]))
+    one = d.init_cache(1)
+    for p in range(20):
+        one = d.seed(one, hidden[:, p:p + 1], torch.tensor([p]), torch.tensor([1]))
+    assert all(torch.equal(a, b) for a, b in zip(whole.rings, one.rings))
+    assert torch.equal(whole.rings[0][0, 2], one.rings[0][0, 18 % 16])
+
+    early = d.seed(d.init_cache(1), hidden[:, :6], torch.tensor([0]), torch.tensor([6]))
+    junk = early.clone()
+    for r in junk.rings:
+        r[:, 6:] = 7.0
+    token = torch.tensor([1234])
+    a, b = d.draft(early, token, torch.tensor([5])), d.draft(junk, token, torch.tensor([5]))
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.tokens, a.logits.argmax(-1))  # greedy drafts: the argmax with the Markov bias
+    other = early.clone()
+    other.rings[0][:, 3] = junk.rings[0][:, 7]
+    assert not torch.equal(d.draft(other, token, torch.tensor([5])).logits, a.logits)
+
+
+def test_accept_greedy_keeps_the_matching_prefix_and_the_verify_token():
+    logits = torch.zeros(4, 10)
+    logits[torch.arange(4), torch.tensor([3, 5, 7, 9])] = 1.0
+    assert sp.accept_greedy(torch.tensor([3, 5, 7]), logits) == (3, 9)
+    assert sp.accept_greedy(torch.tensor([3, 4, 7]), logits) == (1, 5)
+    assert sp.accept_greedy(torch.tensor([0, 5, 7]), logits) == (0, 3)
+
+
+# chi-square critical values at p = 1e-4 for 5 and 4 degrees of freedom (scipy.stats.chi2.isf(1e-4, df))
+CHI2_5, CHI2_4 = 25.745, 23.513
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    want = probs * n
+    return float(((counts - want) ** 2 / want).sum())
+
+
+def test_rejection_sampling_gives_the_target_distribution():
+    """Speculative rejection sampling on fixed p (target) and q (drafter) over 6 tokens, k = 2,
+    20,000 seeded trials: the first emitted token follows p_0 and, when draft 0 was kept, the
+    second follows p_1 (chi-square below the p = 1e-4 bound). Keeping every draft instead (no
+    rejection) gives q_0 and fails the same bound."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[.05, .30, .25, .10, .20, .10], [.40, .05, .05, .20, .10, .20], [1 / 6] * 6], dtype=torch.float64)
+    q = torch.tensor([[.30, .05, .25, .20, .10, .10], [.10, .30, .20, .10, .20, .10]], dtype=torch.float64)
+    first, second, naive = torch.zeros(6), torch.zeros(6), torch.zeros(6)
+    for _ in range(20000):
+        drafts = torch.stack([torch.multinomial(q[j], 1, generator=g)[0] for j in range(2)])
+        a, nxt = sp.accept_sampled(drafts, p, q, g)
+        emitted = [int(x) for x in drafts[:a]] + [nxt]
+        first[emitted[0]] += 1
+        naive[int(drafts[0])] += 1
+        if a >= 1:
+            second[emitted[1]] += 1
+    assert _chi2(first, p[0]) < CHI2_5
+    assert _chi2(second, p[1]) < CHI2_5
+    assert _chi2(naive, p[0]) > 10 * CHI2_5
+
+
+def test_generate_refuses_bad_k(micro_golden, drafter):
+    from dsneuron.graphs.dspark import GoldenTarget
+
+    with pytest.raises(ValueError, match=r"k must be in 1..3"):
+        sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], N, 4)
+    with pytest.raises(ValueError, match="max_new must be >= 1"):
+        sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], 0, 2)
