@@ -95,6 +95,7 @@ def _same_as_plain(res: sp.Generation, plain, row: int, n: int = N) -> None:
     assert not bad, (row, bad)
 
 
+@pytest.mark.slow
 def test_forced_rejection_at_every_position_equals_plain_decoding(micro_golden, plain):
     """Four rows of one batch, the oracle wrong at draft 0, 1, 2 and never: each row keeps that many
     drafts a step (rows advance by different counts in the same calls) and ends with plain
@@ -113,6 +114,7 @@ def test_forced_rejection_at_every_position_equals_plain_decoding(micro_golden, 
     assert res.stats.per_position == [4, 2, 1] and res.stats.replays == 3
 
 
+@pytest.mark.slow
 def test_dspark_drafter_greedy_equals_plain_decoding(micro_golden, plain, drafter):
     """The real drafter (random weights: it accepts ~nothing) through the same loop: plain
     decoding's tokens, logits and state bit for bit; the drafts are DSpark's own."""
@@ -159,8 +161,9 @@ def test_accept_greedy_keeps_the_matching_prefix_and_the_verify_token():
     assert sp.accept_greedy(torch.tensor([0, 5, 7]), logits) == (0, 3)
 
 
-# chi-square critical values at p = 1e-4 for 5 and 4 degrees of freedom (scipy.stats.chi2.isf(1e-4, df))
-CHI2_5, CHI2_4 = 25.745, 23.513
+# chi-square critical values at p = 1e-4 by degrees of freedom (scipy.stats.chi2.isf(1e-4, df))
+CHI2 = {4: 23.513, 5: 25.745, 6: 27.856, 7: 29.878, 8: 31.828, 9: 33.720, 10: 35.564}
+CHI2_5 = CHI2[5]
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -169,16 +172,16 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(((counts - want) ** 2 / want).sum())
 
 
-def test_rejection_sampling_gives_the_target_distribution():
+def test_rejection_sampling_gives_the_target_distribution(one_thread):
     """Speculative rejection sampling on fixed p (target) and q (drafter) over 6 tokens, k = 2,
-    20,000 seeded trials: the first emitted token follows p_0 and, when draft 0 was kept, the
+    5,000 seeded trials: the first emitted token follows p_0 and, when draft 0 was kept, the
     second follows p_1 (chi-square below the p = 1e-4 bound). Keeping every draft instead (no
     rejection) gives q_0 and fails the same bound."""
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[.05, .30, .25, .10, .20, .10], [.40, .05, .05, .20, .10, .20], [1 / 6] * 6], dtype=torch.float64)
     q = torch.tensor([[.30, .05, .25, .20, .10, .10], [.10, .30, .20, .10, .20, .10]], dtype=torch.float64)
     first, second, naive = torch.zeros(6), torch.zeros(6), torch.zeros(6)
-    for _ in range(20000):
+    for _ in range(5000):
         drafts = torch.stack([torch.multinomial(q[j], 1, generator=g)[0] for j in range(2)])
         a, nxt = sp.accept_sampled(drafts, p, q, g)
         emitted = [int(x) for x in drafts[:a]] + [nxt]
@@ -191,10 +194,147 @@ def test_rejection_sampling_gives_the_target_distribution():
     assert _chi2(naive, p[0]) > 10 * CHI2_5
 
 
-def test_generate_refuses_bad_k(micro_golden, drafter):
-    from dsneuron.graphs.dspark import GoldenTarget
-
+def test_generate_refuses_bad_k():
+    toy = ToyTarget()
     with pytest.raises(ValueError, match=r"k must be in 1..3"):
-        sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], N, 4)
+        sp.generate(toy, OracleDrafter([], [None], ToyTarget.V), [[1]], N, 4)
     with pytest.raises(ValueError, match="max_new must be >= 1"):
-        sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], 0, 2)
+        sp.generate(toy, OracleDrafter([], [None], ToyTarget.V), [[1]], 0, 2)
+
+
+# ----------------------------------------------------------------------------------------- the loop on a toy target
+class ToyTarget:
+    """TEST-ONLY main model for the loop's bookkeeping (cheap): vocabulary V, the logits at a
+    position a fixed pseudo-random function of every token up to it; the state is each row's token
+    history [B, M] (-1: empty), written at the fed positions as a chunk writes the decode state, so
+    a wrong replay or a finished row moved shows in it."""
+
+    V, M = 11, 48
+
+    def __init__(self):
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits_at(self, history: list[int]) -> torch.Tensor:
+        key = tuple(history)
+        if key not in self._memo:
+            g = torch.Generator().manual_seed(hash(key) % 2**31)
+            self._memo[key] = 3 * torch.randn(self.V, generator=g)
+        return self._memo[key]
+
+    def _run(self, tokens, pos, count, state):
+        B, S = tokens.shape
+        new = state.clone()
+        logits = torch.zeros(B, S, self.V)
+        for b in range(B):
+            for j in range(int(count[b])):
+                new[b, int(pos[b]) + j] = tokens[b, j]
+                logits[b, j] = self.logits_at(new[b, :int(pos[b]) + j + 1].tolist())
+        return logits, new
+
+    def prefill(self, prompts):
+        B, S = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(B, S, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(p)
+        count = torch.tensor([len(p) for p in prompts])
+        logits, state = self._run(tokens, torch.zeros(B, dtype=torch.int64), count,
+                                  torch.full((B, self.M), -1, dtype=torch.int64))
+        return sp.Verified(logits, torch.zeros(B, S, 1), state, tokens, torch.zeros(B, dtype=torch.int64), count)
+
+    def verify(self, tokens, pos, count, state):
+        logits, new = self._run(tokens, pos, count, state)
+        return sp.Verified(logits, torch.zeros(*tokens.shape, 1), new, tokens, pos, count, state)
+
+    def commit(self, v, keep):
+        return self._run(v.tokens, v.pos, keep, v.state_in)[1]
+
+    def plain(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        seq, out, chosen = list(prompt), [], []
+        for _ in range(n):
+            lg = self.logits_at(seq)
+            out.append(int(lg.argmax()))
+            chosen.append(lg)
+            seq.append(out[-1])
+        return out, chosen
+
+
+def test_loop_on_a_toy_target_forced_rejection_at_every_position():
+    """The loop's bookkeeping, cheap: rows of one batch with different prompts, the oracle wrong at
+    draft 0, 1, 2 or never; every row gets plain greedy decoding's tokens and logits, its state is
+    its history exactly (finished rows untouched while the others go on), and row j keeps j drafts
+    a step."""
+    toy = ToyTarget()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 0]]
+    n = 9
+    plains = [toy.plain(p, n) for p in prompts]
+    wrong = [0, 1, 2, None]
+
+    class Rows(OracleDrafter):  # each row its own continuation
+        def propose(self, cache, token, pos, k, temperature, generator):
+            out = torch.zeros(len(prompts), k, dtype=torch.int64)
+            for b, w in enumerate(wrong):
+                seq = prompts[b] + plains[b][0]
+                for j in range(k):
+                    t = seq[min(int(pos[b]) + 2 + j, len(seq) - 1)]
+                    out[b, j] = (t + 1) % ToyTarget.V if j == w else t
+            return out, None
+
+    res = sp.generate(toy, Rows([], wrong, ToyTarget.V), prompts, n, K)
+    for b, p in enumerate(prompts):
+        assert res.tokens[b] == plains[b][0], b
+        assert all(torch.equal(x, y) for x, y in zip(res.logits[b], plains[b][1])), b
+        seq = p + plains[b][0][:-1]  # every token but the last is fed
+        assert res.state[b, :len(seq)].tolist() == seq and (res.state[b, len(seq):] == -1).all(), b
+    per_row = {b: [] for b in range(4)}
+    active = list(range(4))
+    it = iter(res.stats.accepted)
+    left = [n - 1] * 4
+    while active:  # the steps in call order, each active row's count
+        for b in list(active):
+            per_row[b].append(next(it))
+            left[b] -= per_row[b][-1]
+            if left[b] == 0:
+                active.remove(b)
+    for b, w in enumerate(wrong):
+        kept = [a - 1 for a in per_row[b]]
+        assert all(x <= (K if w is None else w) for x in kept) and kept[0] == (K if w is None else w), (b, kept)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensor ops on one thread: ATen's thread pool costs ~ms a call on a busy 2-core host."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_loop_sampling_on_a_toy_target_keeps_the_target_distribution(one_thread):
+    """Sampled speculation through the whole loop (temperature 1, a drafter drawing from its own
+    fixed q): over 3,000 seeded generations of 4 tokens (the first verify offers 2 drafts), the
+    second token's distribution is the target's marginal sum_t p(t) p(x | t), computed exactly
+    (chi-square at p = 1e-4)."""
+    toy = ToyTarget()
+    prompt = [3, 1]
+    V = ToyTarget.V
+    qg = torch.Generator().manual_seed(7)
+    q = torch.softmax(2 * torch.randn(K, V, generator=qg, dtype=torch.float64), dim=-1)
+
+    class Sampler(OracleDrafter):
+        def propose(self, cache, token, pos, k, temperature, generator):
+            d = torch.stack([torch.multinomial(q[j], 1, generator=generator) for j in range(k)], dim=1)
+            return d, q[:k].unsqueeze(0)
+
+    p1 = torch.softmax(toy.logits_at(prompt).double(), -1)
+    p2 = sum(p1[t] * torch.softmax(toy.logits_at(prompt + [t]).double(), -1) for t in range(V))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(3000):
+        res = sp.generate(toy, Sampler([], [None], V), [prompt], 4, 2, temperature=1.0, generator=g)
+        counts[res.tokens[0][1]] += 1
+    # the least likely tokens pooled into one bin so every expected count is >= 5
+    order = torch.argsort(p2)
+    pooled = int((torch.cumsum(p2[order], 0) * 3000 < 5).sum()) + 1
+    bins_c = torch.cat([counts[order[:pooled]].sum().view(1), counts[order[pooled:]]])
+    bins_p = torch.cat([p2[order[:pooled]].sum().view(1), p2[order[pooled:]]])
+    assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
