@@ -105,7 +105,8 @@ class Draft:
 class DSpark(nn.Module):
     """The drafter: `cfg.n_mtp_layers` stages (model.Block at layer ids n_layers + s, with their own
     MoE counts), stage 0's main_proj/main_norm, the last stage's norm, markov_head and
-    confidence_head; the embedding and the head are the main model's (`model`).
+    confidence_head; the embedding and the head are the main model's (`model`: the Transformer, or
+    any module with its `cfg`, `embed` and `head`).
 
     Build with `DSpark.from_checkpoint(model, ckpt)` from the checkpoint's mtp.* tensors (as loaded
     by graphs/checkpoint.py). Raises ValueError when the config has no DSpark stages or a tensor
@@ -361,3 +362,25 @@ class GoldenTarget:
     def _read(self, cap: Capture, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.golden.model
         return logits_from_capture(m, cap), main_hidden_from_capture(m, cap, tokens)
+
+
+def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
+    """The DSpark drafter of a checkpoint folder (validated, graphs/checkpoint.py), built on the main
+    model's embedding and head alone (no main layers: what a bundle's runtime needs beside its
+    executables). max_seq_len: the context capacity it drafts within. Raises CheckpointError /
+    ValueError as load_checkpoint and `DSpark.from_checkpoint`."""
+    from pathlib import Path
+
+    from .checkpoint import load_checkpoint
+    from .engram import engram_layout
+
+    ckpt = load_checkpoint(Path(checkpoint), cfg, engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ())
+    main = nn.Module()
+    main.cfg = cfg
+    main.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=ckpt["embed.weight"], _freeze=True)
+    main.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
+    main.head.weight = nn.Parameter(ckpt["head.weight"].float(), requires_grad=False)
+    mtp = {n: t for n, t in ckpt.items() if n.startswith("mtp.")}
+    del ckpt
+    with torch.inference_mode():
+        return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len))

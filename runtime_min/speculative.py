@@ -167,13 +167,14 @@ class Generation:
 
 def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]], max_new: int, k: int,
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             eos: int | None = None) -> Generation:
+             eos: int | None = None, keep_logits: bool = True) -> Generation:
     """Speculative decoding of every prompt (row b) for max_new tokens each, k drafts a step
     (1 <= k <= drafter.block; a row near its budget drafts fewer). Rows accept different counts
     and advance by them in the same calls. Raises ValueError for k out of range or max_new < 1.
 
     A finished row still rides along in each call (fed its last token again at position 0) and
-    keeps its state: `state` holds each row's state after its last fed token."""
+    keeps its state: `state` holds each row's state after its last fed token. keep_logits=False
+    leaves Generation.logits empty (a long generation's logits are V floats a token)."""
     import time
 
     if not 1 <= k <= drafter.block:
@@ -194,7 +195,8 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
     token = _pick(first, temperature, top_p, generator)
     for b in range(B):
         out[b].append(int(token[b]))
-        out_logits[b].append(first[b])
+        if keep_logits:
+            out_logits[b].append(first[b])
     state = v.state
     done = [max_new <= 1 or (eos is not None and out[b][-1] == eos) for b in range(B)]
     while not all(done):
@@ -222,7 +224,8 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
             new = [int(x) for x in drafts[b, :a]] + [t]
             for j, x in enumerate(new):
                 out[b].append(x)
-                out_logits[b].append(lg[j])
+                if keep_logits:
+                    out_logits[b].append(lg[j])
                 if (eos is not None and x == eos) or len(out[b]) >= max_new:
                     done[b] = True
                     break

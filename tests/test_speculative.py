@@ -338,3 +338,81 @@ def test_loop_sampling_on_a_toy_target_keeps_the_target_distribution(one_thread)
     bins_c = torch.cat([counts[order[:pooled]].sum().view(1), counts[order[pooled:]]])
     bins_p = torch.cat([p2[order[:pooled]].sum().view(1), p2[order[pooled:]]])
     assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
+
+
+# ----------------------------------------------------------------------------------------- the cpu target (slow)
+@pytest.fixture(scope="module")
+def spec_runner(tmp_path_factory, micro_checkpoint):
+    """micro compiled for the cpu target at batch 1, one prefill bucket of 16 tokens and a context
+    capacity of 1024 (prefill, decode and chunk buckets; ~6-10 minutes on 2 cores)."""
+    import dataclasses
+
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
+    from dsneuron.runtime_min.runner import Runner
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, max_seq_len=1024, batch_sizes=(1,), prefill_seq_lens=(16,),
+                                      decode_context_lens=(1024,), checkpoint=str(micro_checkpoint))
+    root = tmp_path_factory.mktemp("micro_spec")
+    parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
+    return Runner.load(compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache"))
+
+
+def _runner_plain(runner, prompt: list[int], n: int, keep_logits: bool = True):
+    """Plain greedy decoding on the runner: (tokens, logits or [], the state after the last token fed)."""
+    step = runner.prefill([prompt])
+    tokens, logits = [int(step.logits[0].argmax())], [step.logits[0]] if keep_logits else []
+    for i in range(n - 1):
+        step = runner.decode(torch.tensor([tokens[-1]]), torch.tensor([len(prompt) + i]), step.state)
+        tokens.append(int(step.logits[0].argmax()))
+        if keep_logits:
+            logits.append(step.logits[0])
+    return tokens, logits, step.state
+
+
+def _same_runner_state(a, b) -> list[str]:
+    bad = [n for n in b.tensors if not torch.equal(a.tensors[n].nan_to_num(), b.tensors[n].nan_to_num())]
+    return bad + (["history"] if b.history is not None and not torch.equal(a.history, b.history) else [])
+
+
+@pytest.mark.slow
+def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden, micro_checkpoint):
+    """On the compiled cpu target: the verify is the chunk bucket read at every position; with the
+    oracle wrong at each draft position (and never) and with the real DSpark drafter, 20 greedy
+    tokens, their logits, the state and the engram history equal plain decoding's bit for bit."""
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DSpark, DSparkDrafter
+    from dsneuron.graphs.engram import engram_layout
+
+    prompt, n = PROMPT + [7, 8, 9], 20
+    tokens, logits, state = _runner_plain(spec_runner, prompt, n)
+    target = sp.RunnerTarget(spec_runner)
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    dspark = DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {k: t for k, t in ckpt.items() if k.startswith("mtp.")},
+                                                  1024))
+    drafters = [OracleDrafter(prompt + tokens, [w], cfg.vocab_size) for w in (0, 1, 2, None)] + [dspark]
+    for i, drafter in enumerate(drafters):
+        res = sp.generate(target, drafter, [prompt], n, K)
+        assert res.tokens[0] == tokens, i
+        assert all(torch.equal(a, b) for a, b in zip(res.logits[0], logits)), i
+        assert not _same_runner_state(res.state, state), (i, _same_runner_state(res.state, state))
+        if i == 3:
+            assert res.stats.mean_acceptance > 3  # the oracle never wrong: 1 + 3 tokens a step
+
+
+@pytest.mark.slow
+def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state(spec_runner):
+    """1,000 greedy tokens with the oracle wrong at draft j in every step (j = 0, 1, 2): every step
+    replays the kept tokens; the tokens, the state and the engram history after them are plain
+    decoding's, bit for bit."""
+    prompt, n = PROMPT + [7, 8, 9], 1000
+    tokens, _, state = _runner_plain(spec_runner, prompt, n, keep_logits=False)
+    target = sp.RunnerTarget(spec_runner)
+    for w in (0, 1, 2):
+        res = sp.generate(target, OracleDrafter(prompt + tokens, [w], spec_runner.vocab_size), [prompt], n, K,
+                          keep_logits=False)
+        assert res.tokens[0] == tokens, w
+        assert not _same_runner_state(res.state, state), (w, _same_runner_state(res.state, state))
+        assert res.stats.replays >= len(res.stats.accepted) - 2  # every step rejects but near the budget
