@@ -162,7 +162,7 @@ def test_accept_greedy_keeps_the_matching_prefix_and_the_verify_token():
 
 
 # chi-square critical values at p = 1e-4 by degrees of freedom (scipy.stats.chi2.isf(1e-4, df))
-CHI2 = {4: 23.513, 5: 25.745, 6: 27.856, 7: 29.878, 8: 31.828, 9: 33.720, 10: 35.564}
+CHI2 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513, 5: 25.745, 6: 27.856, 7: 29.878, 8: 31.828, 9: 33.720, 10: 35.564}
 CHI2_5 = CHI2[5]
 
 
@@ -416,3 +416,60 @@ def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state
         assert res.tokens[0] == tokens, w
         assert not _same_runner_state(res.state, state), (w, _same_runner_state(res.state, state))
         assert res.stats.replays >= len(res.stats.accepted) - 2  # every step rejects but near the budget
+
+
+def test_run_refuses_bad_speculation_flags_before_loading(monkeypatch, capsys, tmp_path):
+    """`run --speculative-tokens`: negative, or without --draft-checkpoint / with --prompts-file,
+    exits 2 naming the problem (before any bundle is read)."""
+    from stand_in import run_cli
+
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "-1") == 2
+    assert "--speculative-tokens must be >= 0" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "2") == 2
+    assert "needs --draft-checkpoint" in capsys.readouterr().err
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\n")
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompts-file", str(prompts), "--speculative-tokens", "2",
+                   "--draft-checkpoint", str(tmp_path)) == 2
+    assert "one --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rejection_sampling_on_micro_keeps_the_models_distribution(micro_golden, drafter, one_thread):
+    """On micro's own distributions: p from a golden verify of [x, d_1, d_2] (temperature 0.3), q
+    from the DSpark drafter that drew d_1, d_2 at that temperature; 3,000 seeded trials of the
+    rejection sampler: the first emitted token follows p_0 (its 8 likeliest tokens and the rest as
+    bins; chi-square at p = 1e-4). Bounded: one prefill, one draft, one verify."""
+    from dsneuron.graphs.dspark import GoldenTarget
+    from dsneuron.runtime_min.sampling import probabilities
+
+    T = 0.3
+    target = GoldenTarget(micro_golden)
+    v = target.prefill([PROMPT])
+    p0 = len(PROMPT)
+    g = torch.Generator().manual_seed(1)
+    x = torch.multinomial(probabilities(v.logits[:, -1], T), 1, generator=g)[:, 0]
+    cache = drafter.seed(drafter.start(1), v.main_hidden, torch.tensor([0]), v.count)
+    drafts, q = drafter.propose(cache, x, torch.tensor([p0 - 1]), 2, T, g)
+    ver = target.verify(torch.cat([x.view(1, 1), drafts], 1), torch.tensor([p0]), torch.tensor([3]), v.state)
+    p = probabilities(ver.logits[0], T)
+    counts = torch.zeros(p.size(1), dtype=torch.float64)
+    naive = torch.zeros_like(counts)  # the drafts themselves: q_0, not p_0
+    for _ in range(3000):
+        d = torch.stack([torch.multinomial(q[0, j], 1, generator=g)[0] for j in range(2)])
+        a, nxt = sp.accept_sampled(d, p, q[0], g)
+        counts[int(d[0]) if a >= 1 else nxt] += 1
+        naive[int(d[0])] += 1
+    top = torch.argsort(p[0], descending=True)[:8]
+    keep = p[0][top] * 3000 >= 5  # bins with an expected count below 5 go to the rest
+
+    def binned(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = top[keep]
+        rest = torch.ones_like(p[0], dtype=torch.bool)
+        rest[t] = False
+        return torch.cat([c[t], c[rest].sum().view(1)]), torch.cat([p[0][t], p[0][rest].sum().view(1)])
+
+    bins_c, bins_p = binned(counts)
+    assert len(bins_c) >= 3 and bins_p[-1] * 3000 >= 5
+    assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
+    assert _chi2(*binned(naive)) > CHI2[len(bins_c) - 1]
