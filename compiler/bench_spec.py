@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 
 def _median(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """graphs/bench.py median_seconds after one warm call."""
+    from dsneuron.graphs.bench import median_seconds
+
+    fn()
+    return median_seconds(fn, repeats)
 
 
 class _Oracle:
