@@ -31,6 +31,7 @@ drafter's ring is written only at accepted positions (`Drafter.seed`), so it nee
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -175,8 +176,6 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
     A finished row still rides along in each call (fed its last token again at position 0) and
     keeps its state: `state` holds each row's state after its last fed token. keep_logits=False
     leaves Generation.logits empty (a long generation's logits are V floats a token)."""
-    import time
-
     if not 1 <= k <= drafter.block:
         raise ValueError(f"k must be in 1..{drafter.block} (the drafter's block size), got {k}")
     if max_new < 1:
