@@ -23,8 +23,8 @@ Calls (each returns a `Step`: logits, the new `State`, probes, the state given, 
   primitive: the scheduler's loop, the teacher-forced runs and the step benchmark all call it;
 - `verify(tokens, pos, count, state, target_layers)` / `verify_prefill(prompts, target_layers)`: a
   speculative verify (runtime_min/speculative.py; returns a speculative.Verified, not a Step): the
-  chunk (prefill) bucket run stage by stage,
-  read at every position (logits and the DSpark target layers' streams).
+  chunk (prefill) bucket run stage by stage, read at every position (logits and the DSpark target
+  layers' streams).
 
 State carried between calls (`State`): the manifest's state tensors, every one [B, ...] with one
 capacity-dependent dimension, and the engram history [B, H]. A call takes the state at any
