@@ -247,6 +247,13 @@ def run_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="seed of the sampler, 0..2**64-1 (default: fresh entropy)"),
     stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="print prefill time, time to first token and decode tokens/s "
                                                       "to stderr"),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
+                                           help="with --draft-checkpoint: draft this many tokens a step with DSpark and "
+                                                "verify them in one chunk call (0 = off; at most the model's "
+                                                "dspark_block_size; a cpu bundle with a chunk bucket)"),
+    draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
+                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft; "
+                                                         "the drafter runs eagerly (not compiled)"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
@@ -262,6 +269,14 @@ def run_cmd(
         raise UserError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     check_params(temperature, top_p)
     check_seed(seed)
+    if speculative_tokens < 0:
+        raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
+    if speculative_tokens and (draft_checkpoint is None or prompt is None):
+        raise UserError("--speculative-tokens needs --draft-checkpoint CKPT (the drafter's weights) and one --prompt")
+    if speculative_tokens:
+        _run_speculative(bundle, verify_key, prompt, max_new_tokens, temperature, top_p, seed, stats,
+                         speculative_tokens, draft_checkpoint)
+        return
     prompts = read_prompts_file(prompts_file) if prompts_file is not None else None
     job = {"prompt": prompt, "prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
            "top_p": top_p, "seed": seed, "stats": stats}
@@ -279,6 +294,35 @@ def run_cmd(
     if seed is None and temperature > 0:  # every rank draws with rank 0's seed (runtime_min/sharded.py)
         job["seed"] = secrets.randbits(64)
     launch(bundle, sharded, generate, job, _print, verify_key)
+
+
+def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_new_tokens: int, temperature: float,
+                     top_p: float, seed: Optional[int], stats: bool, k: int, draft_checkpoint: Path) -> None:
+    """`run --speculative-tokens K`: one prompt, DSpark (graphs/dspark.py, eager) drafting K tokens a
+    step from `draft_checkpoint`'s mtp.* weights, the bundle verifying (runtime_min/speculative.py)."""
+    import time
+
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import load_drafter
+    from dsneuron.runtime_min.session import Session
+
+    session = Session.load(bundle, verify_key)
+    cfg = ModelConfig.from_dict(session.manifest.model_config)
+    if not cfg.n_mtp_layers:
+        raise UserError(f"{bundle}: the model has no DSpark stages (n_mtp_layers = 0)")
+    if not 1 <= k <= cfg.dspark_block_size:
+        raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
+    drafter = load_drafter(draft_checkpoint, cfg, session.max_capacity)
+    t0 = time.perf_counter()
+    text, spec = session.generate_speculative(prompt, max_new_tokens, drafter, k, temperature, top_p, seed)
+    seconds = time.perf_counter() - t0
+    _print("stdout", text + "\n")
+    if stats:
+        per = ", ".join(f"{a}/{n}" for a, n in zip(spec.per_position, spec.proposed))
+        _print("stderr", f"speculative k={k}: {len(spec.accepted)} verify steps, mean acceptance length "
+                         f"{spec.mean_acceptance:.2f} tokens a step (draft j kept/offered: {per}); verify "
+                         f"{spec.verify_seconds:.3f} s, replay {spec.replay_seconds:.3f} s ({spec.replays} steps), drafter "
+                         f"{spec.draft_seconds:.3f} s (eager); total {seconds:.3f} s")
 
 
 def _print(stream: str, text: str) -> None:

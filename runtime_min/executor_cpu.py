@@ -17,7 +17,7 @@ import json
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -136,6 +136,17 @@ class StagedExecutable:
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """As CpuExecutable.run: inputs of `bucket.inputs`, outputs of `bucket.outputs`."""
+        return self.run_tapped(inputs, ())[0]
+
+    def run_tapped(self, inputs: list[torch.Tensor], taps: Sequence[str]
+                   ) -> tuple[list[torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """`run`, plus the inputs each stage named in `taps` was given: {stage name: {wiring name:
+        tensor}} (a speculative verify reads the stream entering the DSpark target layers and the
+        head's inputs, runtime_min/speculative.py). Raises KeyError for a stage the bucket lacks."""
+        names = {st.name for st in self.bucket.stages}
+        missing = [t for t in taps if t not in names]
+        if missing:
+            raise KeyError(f"{self.bucket.file}: no stage {missing[0]!r} to tap")
         self.bucket.check_inputs(inputs)
         env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
         if self._columns:
@@ -143,9 +154,20 @@ class StagedExecutable:
         if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
             env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
         timed = self.stage_seconds
+        tapped: dict[str, dict[str, torch.Tensor]] = {}
         for st, (loader, weights, names_in, names_out) in zip(self.bucket.stages, self._stages):
+            if st.name in taps:
+                tapped[st.name] = {n: env[n] for n in names_in}
             t0 = time.perf_counter() if timed is not None else 0.0
             env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
             if timed is not None:
                 timed[st.name] = timed.get(st.name, 0.0) + time.perf_counter() - t0
-        return [env[spec.name] for spec in self.bucket.outputs]
+        return [env[spec.name] for spec in self.bucket.outputs], tapped
+
+    def run_stage(self, name: str, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run the stage `name` alone on `values` (its wiring inputs by name) -> its outputs (the
+        head at another position of the same stream). Raises KeyError for an unknown stage."""
+        for st, (loader, weights, names_in, _) in zip(self.bucket.stages, self._stages):
+            if st.name == name:
+                return loader.boxed_run([*weights, *[values[n] for n in names_in]])
+        raise KeyError(f"{self.bucket.file}: no stage {name!r}")

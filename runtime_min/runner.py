@@ -20,7 +20,11 @@ Calls (each returns a `Step`: logits, the new `State`, probes, the state given, 
   steps);
 - `decode(tokens, positions, state)`: one token per row, each row at its own position, at the
   decode bucket of batch B and the smallest capacity holding every position. The one decode
-  primitive: the scheduler's loop, the teacher-forced runs and the step benchmark all call it.
+  primitive: the scheduler's loop, the teacher-forced runs and the step benchmark all call it;
+- `verify(tokens, pos, count, state, target_layers)` / `verify_prefill(prompts, target_layers)`: a
+  speculative verify (runtime_min/speculative.py; returns a speculative.Verified, not a Step): the
+  chunk (prefill) bucket run stage by stage, read at every position (logits and the DSpark target
+  layers' streams).
 
 State carried between calls (`State`): the manifest's state tensors, every one [B, ...] with one
 capacity-dependent dimension, and the engram history [B, H]. A call takes the state at any
@@ -92,6 +96,9 @@ class Step:
     state_in: dict[str, torch.Tensor]
     seconds: float
     bucket: Bucket
+    #: {stage name: {wiring name: tensor}}: the inputs of the stages a call tapped
+    #: (StagedExecutable.run_tapped; `verify`), else empty
+    taps: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class PrefillJob:
@@ -350,6 +357,73 @@ class Runner:
                               select.pick_capacity(self._lengths_of("decode", batch), int(positions.max()) + 1))
         return self._call(exe, {"tokens": feed, "pos": positions, "engram_ids": engram}, state, history)
 
+    # ------------------------------------------------------------------ speculative decoding
+    def verify(self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, state: State,
+               target_layers: Sequence[int], taps: bool = True):
+        """A speculative verify (runtime_min/speculative.py): row b feeds tokens[b, :count[b]]
+        (int64 [B, S], count int64 [B] in 1..S) at positions pos[b].. on its row of `state`, as one
+        call of the chunk bucket of batch B at the smallest capacity holding every row (a chunk:
+        bit-identical to that many decode steps). Returns a speculative.Verified with the logits
+        fp32 [B, S, V] at every position (the head stage re-run at each) and main_hidden bf16
+        [B, S, T*D] (the stream entering each target layer's attention, averaged over its hc
+        copies); taps=False skips both (a replay). Raises BundleError when the chunk bucket is not
+        staged (the cpu target's), ValueError without a chunk bucket of batch B, UserError past the
+        context capacity."""
+        from .speculative import Verified
+
+        B, S = tokens.shape
+        if self.hasher is not None and state.history is None:
+            raise ValueError("verify: this bundle hashes engram ids; the state needs its history [B, H]")
+        capacity = select.pick_chunk_capacity(self._lengths_of("chunk", B), int((pos + count).max()))
+        exe = self.executable("chunk", B, capacity)
+        padded = torch.full((B, exe.bucket.padded_len(S)), self.pad_token_id, dtype=torch.int64)
+        padded[:, :S] = tokens
+        engram, history = self._hash(padded, state.history, count)
+        data = {"tokens": padded, "pos": pos, "valid_len": count, "engram_ids": engram}
+        step = self._call(exe, data, state, history, self._taps(exe, target_layers) if taps else ())
+        logits, hidden = self._tapped_outputs(exe, step, S, target_layers) if taps else (None, None)
+        return Verified(logits, hidden, step.state, tokens, pos, count, State(step.state_in, state.history),
+                        step.seconds)
+
+    def verify_prefill(self, prompts: Sequence[Sequence[int]], target_layers: Sequence[int]):
+        """`prefill` of the prompts in rows 0.., at the prefill bucket of batch len(prompts), tapped
+        as `verify` is: a speculative.Verified with the logits and main_hidden at every prompt
+        position (count: the prompt lengths). Raises as `prefill`, and BundleError for an unstaged
+        prefill bucket."""
+        from .speculative import Verified
+
+        batch = len(prompts)
+        prompts = [list(p) for p in prompts]
+        longest = max(len(p) for p in prompts)
+        exe = self.executable("prefill", batch, select.pick_prefill(self._lengths_of("prefill", batch), longest))
+        tokens, valid = select.pad_prompts(prompts, batch, exe.bucket.padded_len(longest), self.pad_token_id)
+        engram, history = self._hash(tokens, self.fresh_state(batch).history, valid)
+        step = self._call(exe, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, State(), history,
+                          self._taps(exe, target_layers))
+        logits, hidden = self._tapped_outputs(exe, step, longest, target_layers)
+        return Verified(logits, hidden, step.state, tokens[:, :longest], torch.zeros(batch, dtype=torch.int64), valid,
+                        None, step.seconds)
+
+    @staticmethod
+    def _taps(exe: Executable, target_layers: Sequence[int]) -> tuple[str, ...]:
+        if not isinstance(exe, StagedExecutable):
+            raise BundleError(f"{exe.bucket.kind} bucket b{exe.bucket.batch} {exe.bucket.length}: speculative decoding "
+                              "reads the head's and the target layers' inputs, which only a staged (cpu target) bucket gives")
+        return (*(f"layers.{L}.attn" for L in target_layers), "head")
+
+    @staticmethod
+    def _tapped_outputs(exe: "StagedExecutable", step: Step, S: int, target_layers: Sequence[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits fp32 [B, S, V], main_hidden bf16 [B, S, T*D]) of a tapped call's first S positions."""
+        from dsneuron.kernels_nki.hc_mean import main_hidden_of
+
+        head = step.taps["head"]
+        B = head["h"].size(0)
+        logits = torch.stack([exe.run_stage("head", {**head, "last": torch.full((B,), j, dtype=torch.int64)})[0]
+                              for j in range(S)], dim=1)
+        hidden = torch.cat([main_hidden_of(step.taps[f"layers.{L}.attn"]["h"][:, :S]) for L in target_layers], dim=-1)
+        return logits, hidden
+
     def _hash(self, tokens: torch.Tensor, history: torch.Tensor | None, valid: torch.Tensor | None = None
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(engram ids, the next history) of `tokens` after `history`; (None, None) without engram."""
@@ -358,8 +432,9 @@ class Runner:
         return self.hasher.hash(tokens, history, valid)
 
     def _call(self, exe: Executable, data: dict[str, torch.Tensor | None], state: State,
-              history: torch.Tensor | None) -> Step:
-        """Run `exe` on the data inputs and `state` (resized to its bucket, missing tensors fresh)."""
+              history: torch.Tensor | None, taps: Sequence[str] = ()) -> Step:
+        """Run `exe` on the data inputs and `state` (resized to its bucket, missing tensors fresh);
+        taps: stage names whose inputs to keep (a StagedExecutable's run_tapped)."""
         b = exe.bucket
         state_in = self._state_for(b, state.tensors)
         args = []
@@ -372,11 +447,15 @@ class Runner:
             else:
                 args.append(state_in[spec.name])
         t0 = time.perf_counter()
-        outs = exe.run(args)
+        tapped: dict[str, dict[str, torch.Tensor]] = {}
+        if taps:
+            outs, tapped = exe.run_tapped(args, taps)
+        else:
+            outs = exe.run(args)
         seconds = time.perf_counter() - t0
         tensors = {spec.name: t for spec, t in zip(b.outputs[1:], outs[1:]) if not spec.name.startswith(PROBE_PREFIX)}
         probes = {spec.name[len(PROBE_PREFIX):]: t for spec, t in zip(b.outputs, outs) if spec.name.startswith(PROBE_PREFIX)}
-        return Step(outs[0], State(tensors, history), probes, state_in, seconds, b)
+        return Step(outs[0], State(tensors, history), probes, state_in, seconds, b, tapped)
 
     def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""

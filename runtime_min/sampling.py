@@ -52,10 +52,22 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     `check_params`.
     """
     check_params(temperature, top_p)
+    if temperature == 0.0:
+        return (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, temperature, top_p, allowed), 1, generator=generator)[:, 0]
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution `sample` draws from at temperature > 0: float64 [..., V] (the softmax, the
+    top-p filter, renormalised; `allowed` as in `sample`). Speculative decoding's target
+    distribution p (runtime_min/speculative.py). Raises UserError as `check_params`, and for
+    temperature 0 (greedy has no distribution to draw from)."""
+    check_params(temperature, top_p)
+    if temperature == 0.0:
+        raise UserError("probabilities: temperature 0 is greedy (argmax), not a distribution")
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
     x = logits.double()
     probs = torch.softmax((x - x.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
@@ -67,4 +79,4 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return probs

@@ -182,6 +182,31 @@ class Session:
         stats.first_token_s = min(r.first_token_at for r in requests) - start
         return [r.generated for r in requests]
 
+    def generate_speculative(self, prompt: str, max_new_tokens: int, drafter, k: int, temperature: float = 0.0,
+                             top_p: float = 1.0, seed: int | None = None):
+        """One prompt by speculative decoding (runtime_min/speculative.py) with `drafter` proposing k
+        tokens a step, the bundle verifying them (`Runner.verify`: a cpu bundle with a chunk bucket
+        of batch 1); stops at max_new_tokens or EOS. Returns (text, SpecStats). Raises UserError as
+        `generate_ids`, and for k outside 1..drafter.block."""
+        from .speculative import RunnerTarget, generate
+
+        if not 1 <= k <= drafter.block:
+            raise UserError(f"--speculative-tokens must be in 1..{drafter.block} (the drafter's block size), got {k}")
+        check_params(temperature, top_p)
+        check_seed(seed)
+        ids = self.encode(prompt)
+        self.runner.check_prompt_length(len(ids))
+        check_context(len(ids), max_new_tokens + k, self.max_capacity)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(seed) if seed is not None else gen.seed()
+        eos = self.manifest.tokenizer.eos_token_id
+        res = generate(RunnerTarget(self.runner), drafter, [ids], max_new_tokens, k, temperature, top_p, gen, eos,
+                       keep_logits=False)
+        out = res.tokens[0][:-1] if res.tokens[0] and res.tokens[0][-1] == eos else res.tokens[0]
+        return self.decode(out), res.stats
+
     def teacher_forced(self, ids: Sequence[int], n_prompt: int) -> list[StepResult]:
         """Prefill ids[:n_prompt] at batch 1, then decode ids[n_prompt:] one token per step (teacher
         forcing: the given ids are fed whatever the logits say). Returns len(ids) - n_prompt + 1

@@ -1,0 +1,320 @@
+"""DSpark, V4.1's drafter (the `mtp.0..n-1` stages), as the official inference code computes it, and
+the target side it reads: `main_hidden` at every position of a prefill, chunk or decode step.
+
+Source: deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py (revision dba1be0a): `Transformer.forward`
+(main_hidden), `Transformer.forward_spec`, `DSparkBlock` (forward, forward_embed, forward_head),
+`DSparkAttention`, `get_dspark_topk_idxs`, `DSparkMarkovHead`, `DSparkConfidenceHead`. The official
+code drafts and never verifies (generate.py does not call forward_spec); the verify loop is
+runtime_min/speculative.py.
+
+What the official code computes, per decode step at position t (main model fed token x_t):
+
+- main_hidden [B, 1, T*D] bf16: for each target layer L (dspark_target_layer_ids, T of them) the mean
+  over the hc copies of the stream entering layer L's attention (after L's engram, if any),
+  concatenated in target order (`main_hiddens.append(h.mean(dim=2))`).
+- forward_spec(x_{t+1}, main_hidden, t): main_x = main_norm(main_proj(main_hidden)); each stage's
+  DSparkAttention writes main_kv = fp8_qdq(rope_t(kv_norm(wkv(main_x)))) into its own window ring
+  (slot t % W), then the block of `dspark_block_size` tokens [x_{t+1}, noise, ..., noise] at
+  positions t+1 .. t+block goes through the stages (mHC blocks with the lagged pre-mix, the stage's
+  own MoE); its attention sees the ring slots 0 .. min(W, t+1)-1 in slot order and every block
+  token (no causal mask inside the block: get_dspark_topk_idxs). The last stage's head: pre-mix,
+  its norm, the main model's fp32 head, then token by token the Markov bias of the previous token
+  (markov_head: a rank-r embedding and an fp32 [V, r] head) is added and the next draft sampled
+  (argmax at temperature 0). confidence = proj([x, markov_embed]).
+- At prefill (start_pos 0) forward_spec only seeds the rings (the last W positions of the prompt).
+
+Here the ring is explicit state (`DraftCache`, bf16 values as the reference holds them) and the two
+parts are separate calls: `seed` writes main_kv at accepted positions (a prefill, a verify's
+accepted prefix), `draft` drafts from a position whose main_kv is already in the ring. Writing a
+position twice writes the same row, so seed(t) + draft(t) is the reference's decode-step forward_spec
+at t. Deviations, both shape-only: the ring is per row (per-row positions, as the main model's
+state); draft may start at position 0 (the reference's prefill call never drafts there; its decode
+call asserts start_pos > 0), where the ring holds one position.
+Numerics: the golden's (exact GEMMs, graphs/model.py); MoE by the routed loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsneuron.kernels_nki.hc_mean import main_hidden_of
+
+from .config import ModelConfig
+from .context import Capture
+from .dispatch import fp8_qdq
+from .mhc import hc_post, hc_pre
+from .model import Block, Linear, RMSNorm, Transformer, embed_stream
+from .rope import rope_tables, with_rope_tail
+from .quant import dequant_fp8_weight, linear_fp32
+
+
+# ----------------------------------------------------------------------------------------- main_hidden
+def target_stream_names(cfg: ModelConfig) -> list[str]:
+    """The Capture names of the stream entering each target layer's attention, in target order:
+    `layers.L.engram.out` for an engram layer, else the previous block's `layers.{L-1}.out`
+    ("embed" for layer 0 without engram: the embedding stream)."""
+    out = []
+    for L in cfg.dspark_target_layer_ids:
+        if L in cfg.engram_layer_ids:
+            out.append(f"layers.{L}.engram.out")
+        else:
+            out.append(f"layers.{L - 1}.out" if L > 0 else "embed")
+    return out
+
+
+def main_hidden_from_capture(model: Transformer, cap: Capture, tokens: torch.Tensor) -> torch.Tensor:
+    """main_hidden bf16 [B, S, T*D] at every position of a step run with `cap` (prefill, chunk or
+    decode; tokens int64 [B,S] its tokens, used only for a target layer 0 without engram)."""
+    parts = []
+    for name in target_stream_names(model.cfg):
+        h = embed_stream(model.embed, model.cfg.hc_mult, tokens)[0] if name == "embed" else cap.tensors[name]
+        parts.append(main_hidden_of(h))
+    return torch.cat(parts, dim=-1)
+
+
+def logits_from_capture(model: Transformer, cap: Capture) -> torch.Tensor:
+    """The head's logits fp32 [B, S, V] at every position of a step run with `cap` (the last block's
+    output and its ffn pre-mix: what head_logits reads at one position, here at each)."""
+    L = model.cfg.n_layers - 1
+    h, pre = cap.tensors[f"layers.{L}.out"], cap.tensors[f"layers.{L}.hc_ffn.pre"]
+    return model.head(model.norm(hc_pre(h, pre)).float())
+
+
+# ----------------------------------------------------------------------------------------- drafter
+@dataclass
+class DraftCache:
+    """The drafter's window rings: one bf16 [B, W, head_dim] per stage (main_kv of position p at slot
+    p % W, values already FP8-QDQ'd as the reference's window_kv_cache holds them)."""
+
+    rings: list[torch.Tensor]
+
+    def clone(self) -> "DraftCache":
+        return DraftCache([r.clone() for r in self.rings])
+
+
+@dataclass
+class Draft:
+    """One drafted block: tokens int64 [B, block] (the drafts for positions t+2 .. t+block+1),
+    logits fp32 [B, block, V] (with the Markov bias, before temperature), confidence fp32 [B, block]."""
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor
+
+
+class DSpark(nn.Module):
+    """The drafter: `cfg.n_mtp_layers` stages (model.Block at layer ids n_layers + s, with their own
+    MoE counts), stage 0's main_proj/main_norm, the last stage's norm, markov_head and
+    confidence_head; the embedding and the head are the main model's (`model`: the Transformer, or
+    any module with its `cfg`, `embed` and `head`).
+
+    Build with `DSpark.from_checkpoint(model, ckpt)` from the checkpoint's mtp.* tensors (as loaded
+    by graphs/checkpoint.py). Raises ValueError when the config has no DSpark stages or a tensor
+    is missing or misshapen.
+    """
+
+    def __init__(self, model: Transformer, max_seq_len: int):
+        super().__init__()
+        cfg = model.cfg
+        if not cfg.n_mtp_layers:
+            raise ValueError("DSpark: the config has no DSpark stages (n_mtp_layers = 0)")
+        self.cfg, self.max_seq_len, self.block = cfg, max_seq_len, cfg.dspark_block_size
+        self._main = [model]  # not a submodule: its parameters are the main model's
+        d, r = cfg.dim, cfg.dspark_markov_rank
+        self.stages = nn.ModuleList([Block(cfg, cfg.n_layers + s, None) for s in range(cfg.n_mtp_layers)])
+        self.main_proj = Linear(d * len(cfg.dspark_target_layer_ids), d, "fp8", cfg.fp8_block_size)
+        self.main_norm = RMSNorm(d, cfg.norm_eps)
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.markov_embed = nn.Parameter(torch.empty(cfg.vocab_size, r, dtype=torch.bfloat16), requires_grad=False)
+        # bf16 in the checkpoint, fp32 in the reference (ParallelHead, DSparkConfidenceHead)
+        self.markov_head = nn.Parameter(torch.empty(cfg.vocab_size, r, dtype=torch.float32), requires_grad=False)
+        self.confidence = nn.Parameter(torch.empty(1, d + r, dtype=torch.float32), requires_grad=False)
+        # ratio-0 RoPE (rope_theta, no YaRN) up to the last block position past the context
+        cos, sin = rope_tables(cfg, max_seq_len + self.block + 1, compressed=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # checkpoint name (after "mtp.{s}.") -> this module's parameter, for the head-only tensors
+    _EXTRA = {"main_proj.weight": "main_proj.weight", "main_proj.scale": "main_proj.scale",
+              "main_norm.weight": "main_norm.weight", "norm.weight": "norm.weight",
+              "markov_head.embed.weight": "markov_embed", "markov_head.head.weight": "markov_head",
+              "confidence_head.proj.weight": "confidence"}
+
+    @classmethod
+    def from_checkpoint(cls, model: Transformer, ckpt: dict[str, torch.Tensor], max_seq_len: int) -> "DSpark":
+        """The drafter with the checkpoint's mtp.* tensors (wo_a dequantised to bf16 as convert.py
+        does for the main layers, bf16 heads promoted to fp32 as the reference holds them)."""
+        drafter = cls(model, max_seq_len)
+        params = dict(drafter.named_parameters())
+        loaded = {}
+        for name, t in ckpt.items():
+            if not name.startswith("mtp.") or name.endswith("attn.wo_a.scale"):
+                continue
+            s, rest = name[len("mtp."):].split(".", 1)
+            if rest.endswith("attn.wo_a.weight"):
+                scale = ckpt[name[:-len("weight")] + "scale"]
+                t = dequant_fp8_weight(t, scale, model.cfg.fp8_block_size).to(torch.bfloat16)
+            # the head-only tensors sit on stage 0 (main_*) and the last stage (the others)
+            target = cls._EXTRA.get(rest, f"stages.{s}.{rest}")
+            if target not in params:
+                raise ValueError(f"DSpark: checkpoint tensor {name} has no place in the drafter")
+            p = params[target]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"DSpark: {name} is {tuple(t.shape)}, the drafter needs {tuple(p.shape)}")
+            loaded[target] = t.to(p.dtype)
+        missing = sorted(set(params) - set(loaded))
+        if missing:
+            raise ValueError(f"DSpark: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        drafter.load_state_dict(loaded, strict=False, assign=True)
+        for mod in drafter.modules():
+            if isinstance(mod, Linear):
+                mod.cached = mod.dequantized().double()
+        return drafter.eval()
+
+    # ------------------------------------------------------------------ state
+    def init_cache(self, batch: int) -> DraftCache:
+        """Empty rings (zeros; a slot is read only once its position is written)."""
+        shape = (batch, self.cfg.window_size, self.cfg.head_dim)
+        return DraftCache([torch.zeros(shape, dtype=torch.bfloat16) for _ in self.stages])
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        """main_hidden bf16 [B,S,T*D] -> main_x bf16 [B,S,D] (DSparkBlock.forward_embed)."""
+        return self.main_norm(self.main_proj(main_hidden))
+
+    @torch.inference_mode()
+    def seed(self, cache: DraftCache, main_hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> DraftCache:
+        """Write main_kv of row b's positions start[b] .. start[b]+count[b]-1 (main_hidden bf16
+        [B,S,T*D], row b's first count[b] rows) into every stage's ring at slot position % W, in
+        position order (DSparkAttention.forward: the start_pos 0 seeding and the decode-step write).
+        start, count int64 [B]. Returns the new cache."""
+        W = self.cfg.window_size
+        B, S, _ = main_hidden.shape
+        mx = self.main_x(main_hidden)
+        positions = start.unsqueeze(1) + torch.arange(S)
+        cos, sin = self._rope(positions.clamp(max=self.rope_cos.size(0) - 1))
+        rings = []
+        for stage, ring in zip(self.stages, cache.rings):
+            a = stage.attn
+            kv = fp8_qdq(with_rope_tail(a.kv_norm(a.wkv(mx)), self.cfg.rope_head_dim, cos, sin), self.cfg.fp8_block_size)
+            ring = ring.clone()
+            for b in range(B):
+                for j in range(int(count[b])):  # in order: the newest position of a slot wins
+                    ring[b, int(positions[b, j]) % W] = kv[b, j]
+            rings.append(ring)
+        return DraftCache(rings)
+
+    def _attention(self, stage: Block, x: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """DSparkAttention.forward at start_pos = pos (int64 [B]) after its ring write: x bf16
+        [B, block, D] (after attn_norm) -> bf16 [B, block, D]."""
+        cfg, a = self.cfg, stage.attn
+        B, K, _ = x.shape
+        W, rd, hd = cfg.window_size, cfg.rope_head_dim, cfg.head_dim
+        cos, sin = self._rope(pos.unsqueeze(1) + 1 + torch.arange(K))
+        q = with_rope_tail(a.wq_b(a.q_norm(a.wq_a(x))).unflatten(-1, (cfg.n_heads, hd)), rd, cos, sin)
+        kv = fp8_qdq(with_rope_tail(a.kv_norm(a.wkv(x)), rd, cos, sin), cfg.fp8_block_size)
+        keys = torch.cat([ring, kv], dim=1)  # [B, W + K, hd]
+        # get_dspark_topk_idxs: ring slots 0 .. min(W, pos+1)-1, then the block; -1 after (neutral)
+        j = torch.arange(W + K)
+        n = torch.clamp(pos + 1, max=W).unsqueeze(1)  # [B,1]
+        idx = torch.where(j < n, j, torch.where(j < n + K, W + j - n, -1))
+        idx = idx.unsqueeze(1).expand(B, K, W + K).to(torch.int32).contiguous()
+        o = torch.ops.dsneuron.sparse_attn(q, keys, a.attn_sink, idx, hd ** -0.5)
+        return a.output(o, cos, sin)
+
+    def _stage(self, stage: Block, h: torch.Tensor, pre_mix: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor):
+        """Block.forward of a DSparkBlock at start_pos > 0: (h, pre_mix) -> (h', ffn_pre)."""
+        residual = h
+        attn_pre, attn_post, attn_comb = stage.hc_mixes(h, "attn")
+        y = self._attention(stage, stage.attn_norm(hc_pre(h, pre_mix)), ring, pos)
+        h = hc_post(y, residual, attn_post, attn_comb)
+        return stage.ffn_sublayer(h, attn_pre, None, routed=True)
+
+    @torch.inference_mode()
+    def draft(self, cache: DraftCache, token: torch.Tensor, pos: torch.Tensor, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> Draft:
+        """Draft a block from position pos (int64 [B]; main_kv at pos already seeded): token int64
+        [B] is x_{pos+1}, the first block token (forward_spec / DSparkBlock.forward_head).
+        temperature 0: each draft is the argmax; else drawn from softmax(logits / T) with `generator`."""
+        main = self._main[0]
+        B, K = token.size(0), self.block
+        ids = torch.full((B, K), self.cfg.dspark_noise_token_id, dtype=torch.int64)
+        ids[:, 0] = token
+        h, pre_mix = embed_stream(main.embed, self.cfg.hc_mult, ids)
+        for stage, ring in zip(self.stages, cache.rings):
+            h, pre_mix = self._stage(stage, h, pre_mix, ring, pos)
+        x = hc_pre(h, pre_mix)
+        logits = main.head(self.norm(x).float())  # fp32 [B, K, V]
+        out = torch.empty(B, K + 1, dtype=torch.int64)
+        out[:, 0] = token
+        embeds = []
+        for i in range(K):
+            e = self.markov_embed[out[:, i]]  # bf16 [B, r]
+            logits[:, i] += linear_fp32(e.float(), self.markov_head)
+            embeds.append(e)
+            out[:, i + 1] = draw(logits[:, i], temperature, generator)
+        hidden = torch.cat([x, torch.stack(embeds, dim=1)], dim=-1).float()
+        confidence = linear_fp32(hidden, self.confidence).squeeze(-1)
+        return Draft(out[:, 1:], logits, confidence)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The drafter's proposal distribution q float64 [..., V] at temperature T > 0 (softmax of the
+    max-shifted logits / T, as runtime_min/sampling.py computes the target's)."""
+    x = logits.double()
+    return torch.softmax((x - x.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
+
+
+def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """logits fp32 [B, V] -> int64 [B]: argmax at temperature 0 (forward_head's `sample`), else one
+    draw from `draft_probs` (the reference's exponential-race draw has this distribution)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(draft_probs(logits, temperature), 1, generator=generator)[:, 0]
+
+
+# ----------------------------------------------------------------------------------------- speculative
+class DSparkDrafter:
+    """`DSpark` as runtime_min/speculative.py's Drafter (eager, the golden's numerics)."""
+
+    def __init__(self, dspark: DSpark):
+        self.dspark, self.block = dspark, dspark.block
+
+    def start(self, batch: int) -> DraftCache:
+        return self.dspark.init_cache(batch)
+
+    def seed(self, cache: DraftCache, main_hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> DraftCache:
+        return self.dspark.seed(cache, main_hidden, start, count)
+
+    def propose(self, cache: DraftCache, token: torch.Tensor, pos: torch.Tensor, k: int, temperature: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        d = self.dspark.draft(cache, token, pos, temperature, generator)
+        q = draft_probs(d.logits[:, :k], temperature) if temperature > 0 else None
+        return d.tokens[:, :k], q
+
+
+def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
+    """The DSpark drafter of a checkpoint folder (validated, graphs/checkpoint.py), built on the main
+    model's embedding and head alone (no main layers: what a bundle's runtime needs beside its
+    executables). max_seq_len: the context capacity it drafts within. Raises CheckpointError /
+    ValueError as load_checkpoint and `DSpark.from_checkpoint`."""
+    from pathlib import Path
+
+    from .checkpoint import load_checkpoint
+    from .engram import engram_layout
+
+    ckpt = load_checkpoint(Path(checkpoint), cfg, engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ())
+    main = nn.Module()
+    main.cfg = cfg
+    main.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=ckpt["embed.weight"], _freeze=True)
+    main.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
+    main.head.weight = nn.Parameter(ckpt["head.weight"].float(), requires_grad=False)
+    mtp = {n: t for n, t in ckpt.items() if n.startswith("mtp.")}
+    del ckpt
+    with torch.inference_mode():
+        return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len))

@@ -1,0 +1,475 @@
+"""Speculative decoding (runtime_min/speculative.py) with DSpark (graphs/dspark.py) on the micro golden.
+
+Greedy speculation must give plain greedy decoding's tokens, the logits each token was chosen from
+and the decode state, bit for bit: a verify is a chunk (bit-identical to its decode steps) read at
+every position, and the state after a rejection is the replay of the kept tokens. The oracle
+drafter here is TEST-ONLY: it proposes the model's own greedy tokens (known from plain decoding),
+optionally wrong at one draft position, so every acceptance count is exercised; the real DSpark
+drafter (random weights) accepts almost nothing. Sampling: speculative rejection sampling leaves
+the target's distribution (a chi-square test, bounded: fixed seed, fixed trials).
+
+micro: window 16, DSpark block 3 (k = 3), target layers 3, 4, 5 (layer 2 has engram: layer 3's
+stream is layer 2's output), one DSpark stage. A golden step costs ~2 s on 2 shared cores, so the
+sequences are short; the 1,000-step forced rejection is `-m slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsneuron.graphs.steps import decode, prefill
+from dsneuron.runtime_min import speculative as sp
+
+PROMPT = [5, 17, 23, 99, 1234, 40000]
+N = 5  # new tokens
+K = 3  # micro's dspark_block_size
+
+
+class OracleDrafter:
+    """TEST-ONLY drafter: proposes the continuation of `seq` (prompt + plain greedy tokens) after
+    the fed token, with the draft at position `wrong_at` replaced by a wrong token in every step
+    (None: never wrong). Each row has its own wrong_at."""
+
+    block = K
+
+    def __init__(self, seq: list[int], wrong_at: list[int | None], vocab: int):
+        self.seq, self.wrong_at, self.vocab = seq, wrong_at, vocab
+
+    def start(self, batch):
+        return None
+
+    def seed(self, cache, main_hidden, start, count):
+        return None
+
+    def propose(self, cache, token, pos, k, temperature, generator):
+        out = torch.zeros(len(self.wrong_at), k, dtype=torch.int64)
+        for b, w in enumerate(self.wrong_at):
+            for j in range(k):
+                t = self.seq[min(int(pos[b]) + 2 + j, len(self.seq) - 1)]
+                out[b, j] = (t + 1) % self.vocab if j == w else t
+        return out, None
+
+
+@pytest.fixture(scope="module")
+def plain(micro_golden):
+    """Plain greedy decoding of PROMPT for N tokens: (tokens, the logits each was chosen from, the
+    state after each token fed: states[i] after tokens[:i] (states[0]: the prefill's))."""
+    g = micro_golden
+    seq = list(PROMPT)
+    with torch.inference_mode():
+        logits, state = prefill(g.model, torch.tensor([seq]), torch.tensor([len(seq)]), g.engram_ids(torch.tensor([seq])),
+                                routed=True)
+        tokens, chosen, states = [int(logits.argmax())], [logits[0]], [state]
+        for _ in range(N - 1):
+            seq.append(tokens[-1])
+            eng = g.engram_ids(torch.tensor([seq]))[:, -1:]
+            logits, state = decode(g.model, torch.tensor([[seq[-1]]]), torch.tensor([len(seq) - 1]), eng, state,
+                                   routed=True)
+            tokens.append(int(logits.argmax()))
+            chosen.append(logits[0])
+            states.append(state)
+    return tokens, chosen, states
+
+
+@pytest.fixture(scope="module")
+def drafter(micro_golden, micro_checkpoint):
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DSpark, DSparkDrafter
+    from dsneuron.graphs.engram import engram_layout
+
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    return DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {n: t for n, t in ckpt.items() if n.startswith("mtp.")},
+                                                micro_golden.max_seq_len))
+
+
+def _same_as_plain(res: sp.Generation, plain, row: int, n: int = N) -> None:
+    """Row `row` of a speculative generation of n tokens is plain decoding's first n, bit for bit."""
+    tokens, chosen, states = plain
+    state = states[n - 1]
+    assert res.tokens[row] == tokens[:n], row
+    assert len(res.logits[row]) == n and all(torch.equal(a, b) for a, b in zip(res.logits[row], chosen)), row
+    spec_state = res.state[0]
+    bad = [n for n in state if not torch.equal(spec_state[n][row].nan_to_num(), state[n][0].nan_to_num())]
+    assert not bad, (row, bad)
+
+
+@pytest.mark.slow
+def test_forced_rejection_at_every_position_equals_plain_decoding(micro_golden, plain):
+    """Four rows of one batch, the oracle wrong at draft 0, 1, 2 and never: each row keeps that many
+    drafts a step (rows advance by different counts in the same calls) and ends with plain
+    decoding's tokens, logits and state, bit for bit."""
+    from golden_target import GoldenTarget
+
+    wrong = [0, 1, 2, None]
+    oracle = OracleDrafter(PROMPT + plain[0], wrong, micro_golden.cfg.vocab_size)
+    res = sp.generate(GoldenTarget(micro_golden), oracle, [PROMPT] * len(wrong), N, K)
+    for row in range(len(wrong)):
+        _same_as_plain(res, plain, row)
+    # the steps in call order, the active rows in each: step 1 offers 3 drafts to every row, row j
+    # keeps j (row 3: all, 1 + 3 tokens, done); then a row near its budget is offered fewer
+    # (row 1: 1 draft, kept; row 2: none); row 0 keeps none in each of its 4 steps
+    assert res.stats.accepted == [1, 2, 3, 4, 1, 2, 1, 1, 1]
+    assert res.stats.per_position == [4, 2, 1] and res.stats.replays == 3
+
+
+@pytest.mark.slow
+def test_dspark_drafter_greedy_equals_plain_decoding(micro_golden, plain, drafter):
+    """The real drafter (random weights: it accepts ~nothing) through the same loop: plain
+    decoding's tokens, logits and state bit for bit; the drafts are DSpark's own."""
+    from golden_target import GoldenTarget
+
+    res = sp.generate(GoldenTarget(micro_golden), drafter, [PROMPT], 3, K)
+    _same_as_plain(res, plain, 0, 3)
+    assert sum(res.stats.proposed) > 0 and res.stats.mean_acceptance >= 1.0
+
+
+def test_dspark_ring_is_written_in_position_order_and_read_only_where_written(drafter):
+    """seed: a 20-position prompt at once equals one position at a time (window 16: slot p % 16,
+    the newest wins). draft at position 5 reads ring slots 0..5 only (get_dspark_topk_idxs): junk
+    in the other slots changes nothing; a different slot 3 changes the drafts' logits."""
+    d = drafter.dspark
+    cfg = d.cfg
+    hidden = torch.randn(1, 20, cfg.dim * len(cfg.dspark_target_layer_ids), generator=torch.Generator().manual_seed(3))
+    hidden = hidden.to(torch.bfloat16)
+    whole = d.seed(d.init_cache(1), hidden, torch.tensor([0]), torch.tensor([20]))
+    one = d.init_cache(1)
+    for p in range(20):
+        one = d.seed(one, hidden[:, p:p + 1], torch.tensor([p]), torch.tensor([1]))
+    assert all(torch.equal(a, b) for a, b in zip(whole.rings, one.rings))
+    assert torch.equal(whole.rings[0][0, 2], one.rings[0][0, 18 % 16])
+
+    early = d.seed(d.init_cache(1), hidden[:, :6], torch.tensor([0]), torch.tensor([6]))
+    junk = early.clone()
+    for r in junk.rings:
+        r[:, 6:] = 7.0
+    token = torch.tensor([1234])
+    a, b = d.draft(early, token, torch.tensor([5])), d.draft(junk, token, torch.tensor([5]))
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.tokens, a.logits.argmax(-1))  # greedy drafts: the argmax with the Markov bias
+    other = early.clone()
+    other.rings[0][:, 3] = junk.rings[0][:, 7]
+    assert not torch.equal(d.draft(other, token, torch.tensor([5])).logits, a.logits)
+
+
+def test_accept_greedy_keeps_the_matching_prefix_and_the_verify_token():
+    logits = torch.zeros(4, 10)
+    logits[torch.arange(4), torch.tensor([3, 5, 7, 9])] = 1.0
+    assert sp.accept_greedy(torch.tensor([3, 5, 7]), logits) == (3, 9)
+    assert sp.accept_greedy(torch.tensor([3, 4, 7]), logits) == (1, 5)
+    assert sp.accept_greedy(torch.tensor([0, 5, 7]), logits) == (0, 3)
+
+
+# chi-square critical values at p = 1e-4 by degrees of freedom (scipy.stats.chi2.isf(1e-4, df))
+CHI2 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513, 5: 25.745, 6: 27.856, 7: 29.878, 8: 31.828, 9: 33.720, 10: 35.564}
+CHI2_5 = CHI2[5]
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    want = probs * n
+    return float(((counts - want) ** 2 / want).sum())
+
+
+def test_rejection_sampling_gives_the_target_distribution(one_thread):
+    """Speculative rejection sampling on fixed p (target) and q (drafter) over 6 tokens, k = 2,
+    5,000 seeded trials: the first emitted token follows p_0 and, when draft 0 was kept, the
+    second follows p_1 (chi-square below the p = 1e-4 bound). Keeping every draft instead (no
+    rejection) gives q_0 and fails the same bound."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[.05, .30, .25, .10, .20, .10], [.40, .05, .05, .20, .10, .20], [1 / 6] * 6], dtype=torch.float64)
+    q = torch.tensor([[.30, .05, .25, .20, .10, .10], [.10, .30, .20, .10, .20, .10]], dtype=torch.float64)
+    first, second, naive = torch.zeros(6), torch.zeros(6), torch.zeros(6)
+    for _ in range(5000):
+        drafts = torch.stack([torch.multinomial(q[j], 1, generator=g)[0] for j in range(2)])
+        a, nxt = sp.accept_sampled(drafts, p, q, g)
+        emitted = [int(x) for x in drafts[:a]] + [nxt]
+        first[emitted[0]] += 1
+        naive[int(drafts[0])] += 1
+        if a >= 1:
+            second[emitted[1]] += 1
+    assert _chi2(first, p[0]) < CHI2_5
+    assert _chi2(second, p[1]) < CHI2_5
+    assert _chi2(naive, p[0]) > 10 * CHI2_5
+
+
+def test_generate_refuses_bad_k():
+    toy = ToyTarget()
+    with pytest.raises(ValueError, match=r"k must be in 1..3"):
+        sp.generate(toy, OracleDrafter([], [None], ToyTarget.V), [[1]], N, 4)
+    with pytest.raises(ValueError, match="max_new must be >= 1"):
+        sp.generate(toy, OracleDrafter([], [None], ToyTarget.V), [[1]], 0, 2)
+
+
+# ----------------------------------------------------------------------------------------- the loop on a toy target
+class ToyTarget:
+    """TEST-ONLY main model for the loop's bookkeeping (cheap): vocabulary V, the logits at a
+    position a fixed pseudo-random function of every token up to it; the state is each row's token
+    history [B, M] (-1: empty), written at the fed positions as a chunk writes the decode state, so
+    a wrong replay or a finished row moved shows in it."""
+
+    V, M = 11, 48
+
+    def __init__(self):
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def logits_at(self, history: list[int]) -> torch.Tensor:
+        key = tuple(history)
+        if key not in self._memo:
+            g = torch.Generator().manual_seed(hash(key) % 2**31)
+            self._memo[key] = 3 * torch.randn(self.V, generator=g)
+        return self._memo[key]
+
+    def _run(self, tokens, pos, count, state):
+        B, S = tokens.shape
+        new = state.clone()
+        logits = torch.zeros(B, S, self.V)
+        for b in range(B):
+            for j in range(int(count[b])):
+                new[b, int(pos[b]) + j] = tokens[b, j]
+                logits[b, j] = self.logits_at(new[b, :int(pos[b]) + j + 1].tolist())
+        return logits, new
+
+    def prefill(self, prompts):
+        B, S = len(prompts), max(len(p) for p in prompts)
+        tokens = torch.zeros(B, S, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, :len(p)] = torch.tensor(p)
+        count = torch.tensor([len(p) for p in prompts])
+        logits, state = self._run(tokens, torch.zeros(B, dtype=torch.int64), count,
+                                  torch.full((B, self.M), -1, dtype=torch.int64))
+        return sp.Verified(logits, torch.zeros(B, S, 1), state, tokens, torch.zeros(B, dtype=torch.int64), count)
+
+    def verify(self, tokens, pos, count, state):
+        logits, new = self._run(tokens, pos, count, state)
+        return sp.Verified(logits, torch.zeros(*tokens.shape, 1), new, tokens, pos, count, state)
+
+    def commit(self, v, keep):
+        return self._run(v.tokens, v.pos, keep, v.state_in)[1]
+
+    def plain(self, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+        seq, out, chosen = list(prompt), [], []
+        for _ in range(n):
+            lg = self.logits_at(seq)
+            out.append(int(lg.argmax()))
+            chosen.append(lg)
+            seq.append(out[-1])
+        return out, chosen
+
+
+def test_loop_on_a_toy_target_forced_rejection_at_every_position():
+    """The loop's bookkeeping, cheap: rows of one batch with different prompts, the oracle wrong at
+    draft 0, 1, 2 or never; every row gets plain greedy decoding's tokens and logits, its state is
+    its history exactly (finished rows untouched while the others go on), and row j keeps j drafts
+    a step."""
+    toy = ToyTarget()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 0]]
+    n = 9
+    plains = [toy.plain(p, n) for p in prompts]
+    wrong = [0, 1, 2, None]
+
+    class Rows(OracleDrafter):  # each row its own continuation
+        def propose(self, cache, token, pos, k, temperature, generator):
+            out = torch.zeros(len(prompts), k, dtype=torch.int64)
+            for b, w in enumerate(wrong):
+                seq = prompts[b] + plains[b][0]
+                for j in range(k):
+                    t = seq[min(int(pos[b]) + 2 + j, len(seq) - 1)]
+                    out[b, j] = (t + 1) % ToyTarget.V if j == w else t
+            return out, None
+
+    res = sp.generate(toy, Rows([], wrong, ToyTarget.V), prompts, n, K)
+    for b, p in enumerate(prompts):
+        assert res.tokens[b] == plains[b][0], b
+        assert all(torch.equal(x, y) for x, y in zip(res.logits[b], plains[b][1])), b
+        seq = p + plains[b][0][:-1]  # every token but the last is fed
+        assert res.state[b, :len(seq)].tolist() == seq and (res.state[b, len(seq):] == -1).all(), b
+    per_row = {b: [] for b in range(4)}
+    active = list(range(4))
+    it = iter(res.stats.accepted)
+    left = [n - 1] * 4
+    while active:  # the steps in call order, each active row's count
+        for b in list(active):
+            per_row[b].append(next(it))
+            left[b] -= per_row[b][-1]
+            if left[b] == 0:
+                active.remove(b)
+    for b, w in enumerate(wrong):
+        kept = [a - 1 for a in per_row[b]]
+        assert all(x <= (K if w is None else w) for x in kept) and kept[0] == (K if w is None else w), (b, kept)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensor ops on one thread: ATen's thread pool costs ~ms a call on a busy 2-core host."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_loop_sampling_on_a_toy_target_keeps_the_target_distribution(one_thread):
+    """Sampled speculation through the whole loop (temperature 1, a drafter drawing from its own
+    fixed q): over 3,000 seeded generations of 4 tokens (the first verify offers 2 drafts), the
+    second token's distribution is the target's marginal sum_t p(t) p(x | t), computed exactly
+    (chi-square at p = 1e-4)."""
+    toy = ToyTarget()
+    prompt = [3, 1]
+    V = ToyTarget.V
+    qg = torch.Generator().manual_seed(7)
+    q = torch.softmax(2 * torch.randn(K, V, generator=qg, dtype=torch.float64), dim=-1)
+
+    class Sampler(OracleDrafter):
+        def propose(self, cache, token, pos, k, temperature, generator):
+            d = torch.stack([torch.multinomial(q[j], 1, generator=generator) for j in range(k)], dim=1)
+            return d, q[:k].unsqueeze(0)
+
+    p1 = torch.softmax(toy.logits_at(prompt).double(), -1)
+    p2 = sum(p1[t] * torch.softmax(toy.logits_at(prompt + [t]).double(), -1) for t in range(V))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V, dtype=torch.float64)
+    for _ in range(3000):
+        res = sp.generate(toy, Sampler([], [None], V), [prompt], 4, 2, temperature=1.0, generator=g)
+        counts[res.tokens[0][1]] += 1
+    # the least likely tokens pooled into one bin so every expected count is >= 5
+    order = torch.argsort(p2)
+    pooled = int((torch.cumsum(p2[order], 0) * 3000 < 5).sum()) + 1
+    bins_c = torch.cat([counts[order[:pooled]].sum().view(1), counts[order[pooled:]]])
+    bins_p = torch.cat([p2[order[:pooled]].sum().view(1), p2[order[pooled:]]])
+    assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
+
+
+# ----------------------------------------------------------------------------------------- the cpu target (slow)
+@pytest.fixture(scope="module")
+def spec_runner(tmp_path_factory, micro_checkpoint):
+    """micro compiled for the cpu target at batch 1, one prefill bucket of 16 tokens and a context
+    capacity of 1024 (prefill, decode and chunk buckets; ~6-10 minutes on 2 cores)."""
+    import dataclasses
+
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
+    from dsneuron.runtime_min.runner import Runner
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, max_seq_len=1024, batch_sizes=(1,), prefill_seq_lens=(16,),
+                                      decode_context_lens=(1024,), checkpoint=str(micro_checkpoint))
+    root = tmp_path_factory.mktemp("micro_spec")
+    parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
+    return Runner.load(compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache"))
+
+
+def _runner_plain(runner, prompt: list[int], n: int, keep_logits: bool = True):
+    """Plain greedy decoding on the runner: (tokens, logits or [], the state after the last token fed)."""
+    step = runner.prefill([prompt])
+    tokens, logits = [int(step.logits[0].argmax())], [step.logits[0]] if keep_logits else []
+    for i in range(n - 1):
+        step = runner.decode(torch.tensor([tokens[-1]]), torch.tensor([len(prompt) + i]), step.state)
+        tokens.append(int(step.logits[0].argmax()))
+        if keep_logits:
+            logits.append(step.logits[0])
+    return tokens, logits, step.state
+
+
+def _same_runner_state(a, b) -> list[str]:
+    bad = [n for n in b.tensors if not torch.equal(a.tensors[n].nan_to_num(), b.tensors[n].nan_to_num())]
+    return bad + (["history"] if b.history is not None and not torch.equal(a.history, b.history) else [])
+
+
+@pytest.mark.slow
+def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden, micro_checkpoint):
+    """On the compiled cpu target: the verify is the chunk bucket read at every position; with the
+    oracle wrong at each draft position (and never) and with the real DSpark drafter, 20 greedy
+    tokens, their logits, the state and the engram history equal plain decoding's bit for bit."""
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DSpark, DSparkDrafter
+    from dsneuron.graphs.engram import engram_layout
+
+    prompt, n = PROMPT + [7, 8, 9], 20
+    tokens, logits, state = _runner_plain(spec_runner, prompt, n)
+    target = sp.RunnerTarget(spec_runner)
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    dspark = DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {k: t for k, t in ckpt.items() if k.startswith("mtp.")},
+                                                  1024))
+    drafters = [OracleDrafter(prompt + tokens, [w], cfg.vocab_size) for w in (0, 1, 2, None)] + [dspark]
+    for i, drafter in enumerate(drafters):
+        res = sp.generate(target, drafter, [prompt], n, K)
+        assert res.tokens[0] == tokens, i
+        assert all(torch.equal(a, b) for a, b in zip(res.logits[0], logits)), i
+        assert not _same_runner_state(res.state, state), (i, _same_runner_state(res.state, state))
+        if i == 3:
+            assert res.stats.mean_acceptance > 3  # the oracle never wrong: 1 + 3 tokens a step
+
+
+@pytest.mark.slow
+def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state(spec_runner):
+    """1,000 greedy tokens with the oracle wrong at draft j in every step (j = 0, 1, 2): every step
+    replays the kept tokens; the tokens, the state and the engram history after them are plain
+    decoding's, bit for bit."""
+    prompt, n = PROMPT + [7, 8, 9], 1000
+    tokens, _, state = _runner_plain(spec_runner, prompt, n, keep_logits=False)
+    target = sp.RunnerTarget(spec_runner)
+    for w in (0, 1, 2):
+        res = sp.generate(target, OracleDrafter(prompt + tokens, [w], spec_runner.vocab_size), [prompt], n, K,
+                          keep_logits=False)
+        assert res.tokens[0] == tokens, w
+        assert not _same_runner_state(res.state, state), (w, _same_runner_state(res.state, state))
+        assert res.stats.replays >= len(res.stats.accepted) - 2  # every step rejects but near the budget
+
+
+def test_run_refuses_bad_speculation_flags_before_loading(monkeypatch, capsys, tmp_path):
+    """`run --speculative-tokens`: negative, or without --draft-checkpoint / with --prompts-file,
+    exits 2 naming the problem (before any bundle is read)."""
+    from stand_in import run_cli
+
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "-1") == 2
+    assert "--speculative-tokens must be >= 0" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "2") == 2
+    assert "needs --draft-checkpoint" in capsys.readouterr().err
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\n")
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompts-file", str(prompts), "--speculative-tokens", "2",
+                   "--draft-checkpoint", str(tmp_path)) == 2
+    assert "one --prompt" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rejection_sampling_on_micro_keeps_the_models_distribution(micro_golden, drafter, one_thread):
+    """On micro's own distributions: p from a golden verify of [x, d_1, d_2] (temperature 0.3), q
+    from the DSpark drafter that drew d_1, d_2 at that temperature; 3,000 seeded trials of the
+    rejection sampler: the first emitted token follows p_0 (its 8 likeliest tokens and the rest as
+    bins; chi-square at p = 1e-4). Bounded: one prefill, one draft, one verify."""
+    from golden_target import GoldenTarget
+    from dsneuron.runtime_min.sampling import probabilities
+
+    T = 0.3
+    target = GoldenTarget(micro_golden)
+    v = target.prefill([PROMPT])
+    p0 = len(PROMPT)
+    g = torch.Generator().manual_seed(1)
+    x = torch.multinomial(probabilities(v.logits[:, -1], T), 1, generator=g)[:, 0]
+    cache = drafter.seed(drafter.start(1), v.main_hidden, torch.tensor([0]), v.count)
+    drafts, q = drafter.propose(cache, x, torch.tensor([p0 - 1]), 2, T, g)
+    ver = target.verify(torch.cat([x.view(1, 1), drafts], 1), torch.tensor([p0]), torch.tensor([3]), v.state)
+    p = probabilities(ver.logits[0], T)
+    counts = torch.zeros(p.size(1), dtype=torch.float64)
+    naive = torch.zeros_like(counts)  # the drafts themselves: q_0, not p_0
+    for _ in range(3000):
+        d = torch.stack([torch.multinomial(q[0, j], 1, generator=g)[0] for j in range(2)])
+        a, nxt = sp.accept_sampled(d, p, q[0], g)
+        counts[int(d[0]) if a >= 1 else nxt] += 1
+        naive[int(d[0])] += 1
+    top = torch.argsort(p[0], descending=True)[:8]
+    keep = p[0][top] * 3000 >= 5  # bins with an expected count below 5 go to the rest
+
+    def binned(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = top[keep]
+        rest = torch.ones_like(p[0], dtype=torch.bool)
+        rest[t] = False
+        return torch.cat([c[t], c[rest].sum().view(1)]), torch.cat([p[0][t], p[0][rest].sum().view(1)])
+
+    bins_c, bins_p = binned(counts)
+    assert len(bins_c) >= 3 and bins_p[-1] * 3000 >= 5
+    assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
+    assert _chi2(*binned(naive)) > CHI2[len(bins_c) - 1]
