@@ -24,6 +24,9 @@ class CompileConfig:
 
     max_seq_len: context capacity in tokens (sizes every state buffer).
     batch_sizes: batch dimension of every bucket.
+    decode_batch_sizes: more batch sizes for the decode buckets alone (the rows the scheduler
+        decodes together; the runtime prefills one prompt at a time at the smallest batch size, so
+        prefill and chunk buckets of these would go unused). Left out of `to_dict` when empty.
     prefill_seq_lens: prefill bucket lengths; [] means generated (powers of two from 128 up to
         max_seq_len, plus max_seq_len).
     decode_context_lens: decode bucket context capacities (<= max_seq_len); [] means generated like
@@ -51,6 +54,7 @@ class CompileConfig:
     indexer: str = "official"
     chunked_prefill: bool = True
     numerics: str = "exact"
+    decode_batch_sizes: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
@@ -74,6 +78,9 @@ class CompileConfig:
             raise ConfigError(f"{where}.max_seq_len: must be > 0 (got {cfg.max_seq_len})")
         if not cfg.batch_sizes or min(cfg.batch_sizes) <= 0:
             raise ConfigError(f"{where}.batch_sizes: needs at least one positive batch size")
+        if cfg.decode_batch_sizes and min(cfg.decode_batch_sizes) <= 0:
+            raise ConfigError(f"{where}.decode_batch_sizes: entries must be positive batch sizes "
+                              f"(got {list(cfg.decode_batch_sizes)})")
         for key in ("prefill_seq_lens", "decode_context_lens"):
             vals = getattr(cfg, key)
             if vals and (min(vals) <= 0 or max(vals) > cfg.max_seq_len):
@@ -82,7 +89,7 @@ class CompileConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
-                if k != "numerics" or v != "exact"}
+                if not (k == "numerics" and v == "exact" or k == "decode_batch_sizes" and not v)}
 
 
 def check_indexer(value: Any, where: str) -> str:
