@@ -339,8 +339,9 @@ def read_prompts_file(path: Path) -> list[str]:
     return prompts
 
 
-#: `serve --prefix-cache-gib` default: a tiny state row is ~10 MiB (README "Serving"), so 2 GiB keeps
-#: ~200 snapshots, a few per conversation for dozens of conversations, within a small host's memory
+#: `serve --prefix-cache-gib` default: a tiny state row is 1.4 MiB at its 1024-token capacity, so 2 GiB
+#: keeps ~1,500 snapshots (a few per conversation: hundreds of conversations), a small part of the
+#: host memory a model that fits this runtime needs anyway (docs/serving.md "Prefix cache")
 PREFIX_CACHE_GIB = 2.0
 #: the largest --prefix-cache-gib taken (a typo such as 1e9 fails instead of meaning "no bound")
 MAX_PREFIX_CACHE_GIB = 4096.0
