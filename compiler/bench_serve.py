@@ -49,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -300,9 +301,11 @@ PREFIX_REPLY = 16  # tokens of turn 1's reply and of turn 2's
 def prefix_chat(bundle: Path, history: int) -> dict[str, Any]:
     """The prefix-cache measurement of the module docstring; returns the figures: per server
     ("off", "on"), each turn's TTFT (s), text and prompt tokens, and the cache's hit tokens."""
-    from dsneuron.runtime_min.session import Session
+    from tokenizers import Tokenizer
 
-    tok = Session.load(bundle).tokenizer
+    from dsneuron.runtime_min.bundle import open_bundle
+
+    tok = Tokenizer.from_file(str(open_bundle(bundle).tokenizer_file))  # the weights are the servers' to load
     words, text = WORDS * (history // len(WORDS) + 2), ""
     for n in range(1, len(words)):  # the longest user message whose prompt + reply fits `history`
         cand = " ".join(words[:n])
@@ -327,13 +330,15 @@ def prefix_chat(bundle: Path, history: int) -> dict[str, Any]:
                 return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(parts),
                         "prompt_tokens": usage.prompt_tokens if usage else 0}
 
-            # loads the prefill, chunk and decode executables (the repeat starts from a snapshot)
-            for _ in range(2):
-                turn([{"role": "user", "content": "Hello there, warm up"}])
-            one = turn([{"role": "user", "content": text}])
-            two = turn([{"role": "user", "content": text}, {"role": "assistant", "content": one["text"]},
-                        {"role": "user", "content": "And in one word?"}])
-            metrics = served.client()._client.get(served.url.removesuffix("/v1") + "/metrics").text
+            def chat(first: str) -> tuple[dict, dict]:
+                one = turn([{"role": "user", "content": first}])
+                return one, turn([{"role": "user", "content": first}, {"role": "assistant", "content": one["text"]},
+                                  {"role": "user", "content": "And in one word?"}])
+
+            chat("Hello there, warm up")  # loads the executables (its second turn the chunk bucket's)
+            one, two = chat(text)
+            with urllib.request.urlopen(served.url.removesuffix("/v1") + "/metrics", timeout=60) as resp:
+                metrics = resp.read().decode()
             hit = [float(ln.split()[1]) for ln in metrics.splitlines()
                    if ln.startswith("dsneuron_prefix_cache_hit_tokens_total")]
             res[name] = {"turn1": one, "turn2": two, "hit_tokens": hit[0] if hit else 0.0}
@@ -408,20 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--history", type=int, default=1000, help="with --prefix-chat: tokens of turn 2's history [1000]")
     a = ap.parse_args(argv)
     console = Console()
-    if a.prefix_chat:
-        if a.history < 64:
-            ap.error("--history must be at least 64 tokens")
-        try:
-            a.work.mkdir(parents=True, exist_ok=True)
-            bundle = a.bundle or compile_with(a.config, a.work / "prefix-bundle", {}, console)
-            r = prefix_chat(bundle, a.history)
-        except RuntimeError as e:
-            Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
-            sys.exit(1)
-        report_prefix(r, console)
-        if a.json:
-            a.json.write_text(json.dumps(r, indent=1, default=float))
-        return
+    if a.prefix_chat and a.history < 64:
+        ap.error("--history must be at least 64 tokens")
     for name in ("streams", "requests", "clients", "max_tokens"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be a positive integer")
@@ -429,15 +422,18 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--max-tokens must be at least 8 (the mix asks 8..max-tokens new tokens)")
     try:
         a.work.mkdir(parents=True, exist_ok=True)
-        bundle = a.bundle or compile_serve_bundle(a.config, a.work, console)
-        r = run(bundle, a.streams, a.requests, a.clients, a.max_tokens)
+        if a.prefix_chat:  # the config's own buckets (tiny: its 1024-token context and chunk bucket)
+            bundle = a.bundle or compile_with(a.config, a.work / "prefix-bundle", {}, console)
+            r = prefix_chat(bundle, a.history)
+        else:
+            bundle = a.bundle or compile_serve_bundle(a.config, a.work, console)
+            r = run(bundle, a.streams, a.requests, a.clients, a.max_tokens)
     except RuntimeError as e:
         Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
-    report(r, console)
+    (report_prefix if a.prefix_chat else report)(r, console)
     if a.json:
         a.json.write_text(json.dumps(r, indent=1, default=float))
-
 
 if __name__ == "__main__":
     main()

@@ -37,8 +37,9 @@ class CompileConfig:
         torch reference on cpu; fp32 dots and head sum, so scores differ from the golden's by
         bf16 roundings).
     chunked_prefill: on the cpu target, also compile a chunk bucket (a prefill continuing from
-        state, graphs/steps.py prefill_chunk) per decode capacity above the largest prefill length,
-        so that a prompt up to the largest capacity runs as chunks (README "Long prompts").
+        state, graphs/steps.py prefill_chunk) per decode capacity at or above the largest prefill
+        length, so that a prompt up to the largest capacity runs as chunks (docs/cpu-target.md "Long
+        prompts") and a prompt started from a prefix-cache snapshot runs its rest as chunks.
     numerics: the cpu kernels' numerics (graphs.config.NUMERICS_MODES): "exact" (the default: every
         GEMM in one fixed fp32 order, bit-identical to the golden on every host) or "fast" (bf16 dot
         products, kernels_nki/cpu_gemm_fast.py: deterministic and batch-invariant on one host).

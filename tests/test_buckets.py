@@ -110,7 +110,7 @@ def test_decode_batch_sizes_add_decode_buckets_only(micro):
     tiny_model, tiny_cc, _ = load_config("tiny")
     tiny = plan_buckets(tiny_cc, tiny_model).with_dynamic_prefill(8).with_chunks()
     assert [(b.kind, b.batch, b.capacity) for b in tiny.buckets] == [
-        ("prefill", 1, 1024), ("decode", 1, 1024), ("decode", 2, 1024), ("decode", 4, 1024), ("chunk", 1, 1024)]
+        ("prefill", 1, 1024), ("decode", 1, 1024), ("decode", 4, 1024), ("chunk", 1, 1024)]
 
 
 def test_config_rejects_lengths_above_max_seq_len():
