@@ -26,6 +26,16 @@ the smallest batch bucket holding the rows). Then, against one `dsneuron serve` 
    continuous batching can reach at that many rows.
 The figures are from one run on this host, side by side; absolute times on a shared 2-core host
 are noisy, the ratios are what to quote.
+
+    python -m dsneuron.bench.serve --prefix-chat [--bundle B | --config tiny] [--history 1000]
+
+measures the prefix cache instead (`prefix_chat`): --config as packaged (tiny: one 1024-token
+context with its chunk bucket; compiled into --work/prefix-bundle) served twice,
+`--prefix-cache-gib 0` and the default, each with the same 2-turn chat through the `openai`
+client's chat API, streamed and greedy: turn 1 a user message whose prompt makes the chat's
+history --history tokens with its reply, turn 2 that history plus a short question. It prints
+both servers' TTFT of each turn side by side, their ratio, the prefix cache's hit tokens
+(/metrics) and whether the texts are identical.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -284,6 +295,74 @@ def sigterm_under_load(bundle: Path, requests: int, clients: int, max_tokens: in
             "refused": len(failures), "hanging": sum(not f.done() for f in futures)}
 
 
+PREFIX_REPLY = 16  # tokens of turn 1's reply and of turn 2's
+
+
+def prefix_chat(bundle: Path, history: int) -> dict[str, Any]:
+    """The prefix-cache measurement of the module docstring; returns the figures: per server
+    ("off", "on"), each turn's TTFT (s), text and prompt tokens, and the cache's hit tokens."""
+    from tokenizers import Tokenizer
+
+    from dsneuron.runtime_min.bundle import open_bundle
+
+    tok = Tokenizer.from_file(str(open_bundle(bundle).tokenizer_file))  # the weights are the servers' to load
+    words, text = WORDS * (history // len(WORDS) + 2), ""
+    for n in range(1, len(words)):  # the longest user message whose prompt + reply fits `history`
+        cand = " ".join(words[:n])
+        if len(tok.encode(cand, add_special_tokens=False).ids) + 16 + PREFIX_REPLY > history:
+            break
+        text = cand
+    res: dict[str, Any] = {"bundle": str(bundle), "history": history}
+    for name, flags in (("off", ("--prefix-cache-gib", "0")), ("on", ())):
+        served = Served(bundle, *flags)
+        try:
+            client = served.client()
+
+            def turn(messages):
+                t0, first, parts, usage = time.perf_counter(), None, [], None
+                for c in client.chat.completions.create(model=served.model, messages=messages, max_tokens=PREFIX_REPLY,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True}):
+                    usage = c.usage or usage
+                    if c.choices and c.choices[0].delta.content:
+                        first = first or time.perf_counter()
+                        parts.append(c.choices[0].delta.content)
+                return {"ttft_s": (first or time.perf_counter()) - t0, "text": "".join(parts),
+                        "prompt_tokens": usage.prompt_tokens if usage else 0}
+
+            def chat(first: str) -> tuple[dict, dict]:
+                one = turn([{"role": "user", "content": first}])
+                return one, turn([{"role": "user", "content": first}, {"role": "assistant", "content": one["text"]},
+                                  {"role": "user", "content": "And in one word?"}])
+
+            chat("Hello there, warm up")  # loads the executables (its second turn the chunk bucket's)
+            one, two = chat(text)
+            with urllib.request.urlopen(served.url.removesuffix("/v1") + "/metrics", timeout=60) as resp:
+                metrics = resp.read().decode()
+            hit = [float(ln.split()[1]) for ln in metrics.splitlines()
+                   if ln.startswith("dsneuron_prefix_cache_hit_tokens_total")]
+            res[name] = {"turn1": one, "turn2": two, "hit_tokens": hit[0] if hit else 0.0}
+        finally:
+            served.stop()
+    res["ratio"] = res["off"]["turn2"]["ttft_s"] / res["on"]["turn2"]["ttft_s"]
+    res["identical"] = all(res["off"][t]["text"] == res["on"][t]["text"] for t in ("turn1", "turn2"))
+    return res
+
+
+def report_prefix(r: dict[str, Any], console: Console) -> None:
+    off, on = r["off"], r["on"]
+    table = Table(title=f"2-turn chat, {r['history']}-token history, on {r['bundle']}")
+    for col in ("", "cache off", "cache on (--prefix-cache-gib default)"):
+        table.add_column(col, justify="right" if col else "left")
+    for t in ("turn1", "turn2"):
+        table.add_row(f"{t[:4]} {t[4:]}: prompt tokens", str(off[t]["prompt_tokens"]), str(on[t]["prompt_tokens"]))
+        table.add_row(f"{t[:4]} {t[4:]}: TTFT", f"{off[t]['ttft_s'] * 1e3:.0f} ms", f"{on[t]['ttft_s'] * 1e3:.0f} ms")
+    table.add_row("prompt tokens not prefilled (/metrics hit tokens)", f"{off['hit_tokens']:.0f}", f"{on['hit_tokens']:.0f}")
+    table.add_row("turn 2 TTFT, off / on", "", f"{r['ratio']:.1f}x")
+    table.add_row("texts identical (both turns)", "", "yes" if r["identical"] else "NO")
+    console.print(table)
+
+
 def report(r: dict[str, Any], console: Console) -> None:
     s, c, ld, t = r["single"], r["concurrent"], r["load"], r["sigterm"]
     table = Table(title=f"dsneuron serve on {r['bundle']}")
@@ -330,8 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--prefix-chat", action="store_true", help="measure the prefix cache on a 2-turn chat instead")
+    ap.add_argument("--history", type=int, default=1000, help="with --prefix-chat: tokens of turn 2's history [1000]")
     a = ap.parse_args(argv)
     console = Console()
+    if a.prefix_chat and a.history < 64:
+        ap.error("--history must be at least 64 tokens")
     for name in ("streams", "requests", "clients", "max_tokens"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be a positive integer")
@@ -339,15 +422,18 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--max-tokens must be at least 8 (the mix asks 8..max-tokens new tokens)")
     try:
         a.work.mkdir(parents=True, exist_ok=True)
-        bundle = a.bundle or compile_serve_bundle(a.config, a.work, console)
-        r = run(bundle, a.streams, a.requests, a.clients, a.max_tokens)
+        if a.prefix_chat:  # the config's own buckets (tiny: its 1024-token context and chunk bucket)
+            bundle = a.bundle or compile_with(a.config, a.work / "prefix-bundle", {}, console)
+            r = prefix_chat(bundle, a.history)
+        else:
+            bundle = a.bundle or compile_serve_bundle(a.config, a.work, console)
+            r = run(bundle, a.streams, a.requests, a.clients, a.max_tokens)
     except RuntimeError as e:
         Console(stderr=True).print(f"error: {e}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
-    report(r, console)
+    (report_prefix if a.prefix_chat else report)(r, console)
     if a.json:
         a.json.write_text(json.dumps(r, indent=1, default=float))
-
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ ConfigError naming the key and the limit):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,8 @@ class BucketPlan:
     prefill_step: int = 1
     #: the decode capacities that get a chunk bucket (`with_chunks`)
     chunk_capacities: tuple[int, ...] = ()
+    #: the batch sizes of the decode buckets (batch_sizes plus compile.decode_batch_sizes)
+    decode_batches: tuple[int, ...] = ()
 
     @property
     def prefill(self) -> tuple[PlannedBucket, ...]:
@@ -86,17 +89,18 @@ class BucketPlan:
         bucket per batch size, for every multiple of `step` from 2 * step to the largest prefill
         length (a prompt runs at its own length rounded up to `step`: one compile instead of one
         per length, and padding below `step` tokens instead of up to the next bucket)."""
-        return BucketPlan(self.batch_sizes, (self.prefill_seq_lens[-1],), self.decode_capacities, 2 * step, step,
-                          self.chunk_capacities)
+        return dataclasses.replace(self, prefill_seq_lens=(self.prefill_seq_lens[-1],), min_prefill=2 * step,
+                                   prefill_step=step)
 
     def with_chunks(self) -> "BucketPlan":
-        """The plan plus one chunk bucket per batch size and decode capacity above the largest
+        """The plan plus one chunk bucket per batch size and decode capacity at or above the largest
         prefill length P: seq_len P tokens per call (the range of the prefill buckets when they
         take one), continuing a state of that capacity. A prompt longer than P runs as a prefill
-        of its first P tokens, then chunks of up to P at the smallest capacity holding it."""
-        caps = tuple(c for c in self.decode_capacities if c > self.prefill_seq_lens[-1])
-        return BucketPlan(self.batch_sizes, self.prefill_seq_lens, self.decode_capacities, self.min_prefill,
-                          self.prefill_step, caps)
+        of its first P tokens, then chunks of up to P at the smallest capacity holding it; a
+        prompt that starts from a prefix-cache snapshot (runtime_min/prefix_cache.py) runs its
+        rest as chunks, so the capacity P itself gets one too (tiny's only capacity)."""
+        return dataclasses.replace(self, chunk_capacities=tuple(c for c in self.decode_capacities
+                                                                if c >= self.prefill_seq_lens[-1]))
 
     @property
     def chunk(self) -> tuple[PlannedBucket, ...]:
@@ -106,7 +110,8 @@ class BucketPlan:
 
     @property
     def decode(self) -> tuple[PlannedBucket, ...]:
-        return tuple(PlannedBucket("decode", b, 1, c) for b in self.batch_sizes for c in self.decode_capacities)
+        return tuple(PlannedBucket("decode", b, 1, c) for b in self.decode_batches or self.batch_sizes
+                     for c in self.decode_capacities)
 
     @property
     def buckets(self) -> tuple[PlannedBucket, ...]:
@@ -159,7 +164,8 @@ def plan_buckets(compile_cfg: CompileConfig, model_cfg: ModelConfig) -> BucketPl
     if prefill[-1] > decode[-1]:
         raise ConfigError(f"compile.prefill_seq_lens{p_note}: {prefill[-1]} exceeds the largest decode capacity {decode[-1]} "
                           "(compile.decode_context_lens); a prefill's state must fit a decode bucket")
-    return BucketPlan(batches, prefill, decode)
+    return BucketPlan(batches, prefill, decode,
+                      decode_batches=tuple(sorted({*batches, *compile_cfg.decode_batch_sizes})))
 
 
 def _lengths(compile_cfg: CompileConfig, key: str) -> tuple[tuple[int, ...], str]:

@@ -383,6 +383,14 @@ def read_prompts_file(path: Path) -> list[str]:
     return prompts
 
 
+#: `serve --prefix-cache-gib` default: a tiny state row is 1.4 MiB at its 1024-token capacity, so 2 GiB
+#: keeps ~1,500 snapshots (a few per conversation: hundreds of conversations), a small part of the
+#: host memory a model that fits this runtime needs anyway (docs/serving.md "Prefix cache")
+PREFIX_CACHE_GIB = 2.0
+#: the largest --prefix-cache-gib taken (a typo such as 1e9 fails instead of meaning "no bound")
+MAX_PREFIX_CACHE_GIB = 4096.0
+
+
 @app.command("serve")
 def serve_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
@@ -405,6 +413,9 @@ def serve_cmd(
                                                                            "(body included) to its end; then HTTP 408"),
     sse_keepalive: float = typer.Option(15.0, "--sse-keepalive", help="seconds of silence after which a stream gets "
                                                                       "an SSE comment line"),
+    prefix_cache_gib: float = typer.Option(
+        PREFIX_CACHE_GIB, "--prefix-cache-gib", help="GiB of prefix-cache snapshots kept (least recently used evicted "
+                                                     "first); 0 turns the cache off"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -422,11 +433,14 @@ def serve_cmd(
         raise UserError(f"--grace-period must be in 0..86400 seconds, got {grace_period}")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key is empty; give a key, or leave the option out to serve without one")
+    if not 0 <= prefix_cache_gib <= MAX_PREFIX_CACHE_GIB:  # NaN fails too
+        raise UserError(f"--prefix-cache-gib must be in 0..{MAX_PREFIX_CACHE_GIB} GiB (0 turns the cache off), "
+                        f"got {prefix_cache_gib}")
     name = served_model_name if served_model_name is not None else Path(bundle).absolute().name
     if not name:
         raise UserError("--served-model-name is empty")
     job = {"host": host, "port": port, "max_queue": max_queue, "api_key": api_key, "model_name": name,
-           "grace": grace_period, "limits": limits}
+           "grace": grace_period, "limits": limits, "prefix_cache_bytes": int(prefix_cache_gib * 2**30)}
     sharded = read_sharded(bundle)
     if sharded is None:
         from dsneuron.runtime_min.server import listen

@@ -24,6 +24,9 @@ class CompileConfig:
 
     max_seq_len: context capacity in tokens (sizes every state buffer).
     batch_sizes: batch dimension of every bucket.
+    decode_batch_sizes: more batch sizes for the decode buckets alone (the rows the scheduler
+        decodes together; the runtime prefills one prompt at a time at the smallest batch size, so
+        prefill and chunk buckets of these would go unused). Left out of `to_dict` when empty.
     prefill_seq_lens: prefill bucket lengths; [] means generated (powers of two from 128 up to
         max_seq_len, plus max_seq_len).
     decode_context_lens: decode bucket context capacities (<= max_seq_len); [] means generated like
@@ -34,8 +37,9 @@ class CompileConfig:
         torch reference on cpu; fp32 dots and head sum, so scores differ from the golden's by
         bf16 roundings).
     chunked_prefill: on the cpu target, also compile a chunk bucket (a prefill continuing from
-        state, graphs/steps.py prefill_chunk) per decode capacity above the largest prefill length,
-        so that a prompt up to the largest capacity runs as chunks (README "Long prompts").
+        state, graphs/steps.py prefill_chunk) per decode capacity at or above the largest prefill
+        length, so that a prompt up to the largest capacity runs as chunks (docs/cpu-target.md "Long
+        prompts") and a prompt started from a prefix-cache snapshot runs its rest as chunks.
     numerics: the cpu kernels' numerics (graphs.config.NUMERICS_MODES): "exact" (the default: every
         GEMM in one fixed fp32 order, bit-identical to the golden on every host) or "fast" (bf16 dot
         products, kernels_nki/cpu_gemm_fast.py: deterministic and batch-invariant on one host).
@@ -51,6 +55,7 @@ class CompileConfig:
     indexer: str = "official"
     chunked_prefill: bool = True
     numerics: str = "exact"
+    decode_batch_sizes: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
@@ -74,6 +79,9 @@ class CompileConfig:
             raise ConfigError(f"{where}.max_seq_len: must be > 0 (got {cfg.max_seq_len})")
         if not cfg.batch_sizes or min(cfg.batch_sizes) <= 0:
             raise ConfigError(f"{where}.batch_sizes: needs at least one positive batch size")
+        if cfg.decode_batch_sizes and min(cfg.decode_batch_sizes) <= 0:
+            raise ConfigError(f"{where}.decode_batch_sizes: entries must be positive batch sizes "
+                              f"(got {list(cfg.decode_batch_sizes)})")
         for key in ("prefill_seq_lens", "decode_context_lens"):
             vals = getattr(cfg, key)
             if vals and (min(vals) <= 0 or max(vals) > cfg.max_seq_len):
@@ -82,7 +90,7 @@ class CompileConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
-                if k != "numerics" or v != "exact"}
+                if not (k == "numerics" and v == "exact" or k == "decode_batch_sizes" and not v)}
 
 
 def check_indexer(value: Any, where: str) -> str:

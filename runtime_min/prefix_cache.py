@@ -30,18 +30,18 @@ class Snapshot:
 
     state: {name: tensor [1, ...]} the state row after the prefix (graphs/steps.py state_layout at
     batch 1: every cache, the compressor's pending group); engram_history: the last
-    max_ngram_size - 1 token ids the engram hasher keeps (int64 [k], k <= max_ngram_size - 1);
-    logits: fp32 [V] after the prefix's last token (a prompt that is all prefix samples from it).
-    nbytes: their bytes together, what the cache's budget counts.
+    max_ngram_size - 1 token ids the engram hasher keeps (int64 [1, H]), None for a bundle that
+    hashes no engram ids. No logits: a lookup takes at most all but the prompt's last token
+    (runtime_min/scheduler.py), so the rest's last call gives them. nbytes: their bytes together,
+    what the cache's budget counts.
     """
 
     state: dict[str, torch.Tensor]
-    engram_history: torch.Tensor
-    logits: torch.Tensor
+    engram_history: torch.Tensor | None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        tensors = [*self.state.values(), self.engram_history, self.logits]
+        tensors = [*self.state.values(), *([] if self.engram_history is None else [self.engram_history])]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -12,9 +12,10 @@ Calls (each returns a `Step`: logits, the new `State`, probes, the state given, 
 - `prefill(prompts)`: prompts in rows 0.., right-padded to the smallest prefill bucket holding the
   longest, at the smallest batch bucket (`prefill_batch`) unless told; rows past the prompts are
   filler (one pad token);
-- `prefill_job(ids)`: one prompt's prefill one executable call at a time (`PrefillJob`): one call
-  where it fits a prefill bucket, else, in a bundle with chunk buckets, a prefill of the first
-  chunk and then `chunk` calls, so a scheduler can decode other rows between them;
+- `prefill_job(ids, prefix=None)`: one prompt's prefill one executable call at a time
+  (`PrefillJob`): one call where it fits a prefill bucket, else, in a bundle with chunk buckets, a
+  prefill of the first chunk and then `chunk` calls, so a scheduler can decode other rows between
+  them; from a prefix-cache snapshot (`snapshot`, `restore`), only the tokens after it, as chunks;
 - `chunk(ids, start, state, capacity)`: the next tokens of the prompt in row 0 from position
   `start`, continuing its state (graphs/steps.py prefill_chunk: the numerics of that many decode
   steps);
@@ -50,6 +51,7 @@ from dsneuron import UserError
 from . import schema, select
 from .bundle import Bundle, is_stablehlo, open_bundle
 from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
+from .prefix_cache import Snapshot
 from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 DATA_INPUTS = frozenset(n for names in schema.DATA_INPUTS.values() for n in names)
@@ -105,18 +107,23 @@ class PrefillJob:
     """One prompt's prefill, one executable call per `step` (`Runner.prefill_job`): the scheduler
     runs a long prompt's chunks between the decode steps of the running requests. `step()` runs the
     next call and returns True when the prompt is done; `result` is then the Step of its last call
-    (logits [B, V] and state with the prompt in row 0)."""
+    (logits [B, V] and state with the prompt in row 0). After each call, `fed` is how many of the
+    prompt's tokens row 0 of `last.state` holds (a prefix-cache snapshot point) and `started` how
+    many came from a snapshot (0 without one)."""
 
-    def __init__(self, calls: Generator[None, None, Step]):
-        self._calls = calls
+    def __init__(self, calls: Generator[tuple[int, Step], None, Step], total: int, started: int = 0):
+        self._calls, self._total = calls, total
         self.result: Step | None = None
+        self.last: Step | None = None
+        self.fed = self.started = started
 
     def step(self) -> bool:
         if self.result is None:
             try:
-                next(self._calls)
+                self.fed, self.last = next(self._calls)
             except StopIteration as end:
-                self.result = end.value
+                self.result = self.last = end.value
+                self.fed = self._total
         return self.result is not None
 
     def run(self) -> Step:
@@ -299,33 +306,73 @@ class Runner:
         engram, history = self._hash(tokens, self.fresh_state(batch).history, valid)
         return self._call(exe, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, State(), history)
 
-    def prefill_job(self, ids: Sequence[int], chunk: int | None = None) -> PrefillJob:
+    def prefill_job(self, ids: Sequence[int], chunk: int | None = None,
+                    prefix: tuple[int, Snapshot] | None = None) -> PrefillJob:
         """The prefill of one prompt in row 0 at `prefill_batch`, as a `PrefillJob` of one executable
         call at a time: right-padded to the smallest prefill bucket holding it, one call; a prompt
         longer than the largest prefill bucket P (or any prompt, given `chunk`), in a bundle with
         chunk buckets, as a chunked prefill: its first P (chunk) tokens in a prefill bucket, then
         `chunk` calls of up to P (chunk) tokens at the smallest chunk capacity holding the prompt.
-        Raises UserError as `check_prompt_length`, or when `chunk` is given and the bundle has no
-        chunk bucket; ValueError (at a call) for a chunk length the buckets do not take."""
+        prefix: (n, the snapshot of `snapshot` after ids[:n]), 1 <= n < len(ids): the prompt
+        starts from a copy of it and only ids[n:] run (`_resume`). Raises UserError as
+        `check_prompt_length`, or when `chunk` is given and the bundle has no chunk bucket;
+        ValueError for a prefix outside 1..len(ids)-1, and (at a call) for a chunk length the
+        buckets do not take."""
         ids = list(ids)
         self.check_prompt_length(len(ids))
         batch = self.prefill_batch
         lengths = self.lengths("prefill", batch)
+        if prefix is not None:
+            n, snap = prefix
+            if not 1 <= n < len(ids):
+                raise ValueError(f"prefill_job: a prefix of {n} tokens of a {len(ids)}-token prompt; must be 1..{len(ids) - 1}")
+            return PrefillJob(self._resume(ids, n, snap), len(ids), started=n)
         if chunk is None and len(ids) <= max(lengths):
-            return PrefillJob(self._calls(ids, len(ids), 0))
+            return PrefillJob(self._calls(ids, len(ids), 0), len(ids))
         if not self.lengths("chunk", batch):
             raise UserError(f"this bundle has no chunk bucket of batch {batch} (compile with compile.chunked_prefill "
                             "and a decode capacity above the largest prefill length)")
         capacity = select.pick_chunk_capacity(self.lengths("chunk", batch), len(ids))
-        return PrefillJob(self._calls(ids, chunk or max(lengths), capacity))
+        return PrefillJob(self._calls(ids, chunk or max(lengths), capacity), len(ids))
 
-    def _calls(self, ids: list[int], chunk: int, capacity: int) -> Generator[None, None, Step]:
-        """`prefill_job`'s calls: yields after each but the last, returns the last one's Step."""
+    def _calls(self, ids: list[int], chunk: int, capacity: int) -> Generator[tuple[int, Step], None, Step]:
+        """`prefill_job`'s calls: yields (tokens fed, Step) after each but the last, returns the last one's Step."""
         step = self.prefill([ids[:chunk]])
         for p in range(chunk, len(ids), chunk):
-            yield
+            yield p, step
             step = self.chunk(ids[p:p + chunk], p, step.state, capacity)
         return step
+
+    def _resume(self, ids: list[int], n: int, snap: Snapshot) -> Generator[tuple[int, Step], None, Step]:
+        """ids[n:] after a copy of `snap` (the state after ids[:n]): chunk calls of up to the chunk
+        bucket's length at the smallest chunk capacity holding the prompt; in a bundle without
+        chunk buckets, one decode call per token (the same numerics: graphs/steps.py prefill_chunk
+        is that many decode steps composed, tests/test_model.py). Bit-identical to the prompt's
+        own prefill, as a state row after a token is the same whichever steps produced it."""
+        batch = self.prefill_batch
+        state = self.fit_rows(self.restore(snap), batch)
+        caps = self.lengths("chunk", batch)
+        if caps:
+            capacity = select.pick_chunk_capacity(caps, len(ids))
+            size = self.bucket("chunk", batch, capacity).seq_len
+            for p in range(n, len(ids), size):
+                step = self.chunk(ids[p:p + size], p, state, capacity)
+                if p + size >= len(ids):
+                    return step
+                state = step.state
+                yield p + size, step
+        dbatch = min(self.decode_batches)
+        state = self.fit_rows(state, dbatch)
+        for p in range(n, len(ids)):
+            tokens = torch.full((dbatch,), self.pad_token_id, dtype=torch.int64)
+            pos = torch.zeros(dbatch, dtype=torch.int64)
+            tokens[0], pos[0] = ids[p], p
+            step = self.decode(tokens, pos, state)
+            if p + 1 == len(ids):
+                return step
+            state = step.state
+            if (p + 1 - n) % 64 == 0:  # a scheduler's decode steps run in between every 64 tokens
+                yield p + 1, step
 
     def chunk(self, ids: Sequence[int], start: int, state: State, capacity: int) -> Step:
         """The chunk bucket of `prefill_batch` and `capacity` on the tokens `ids` of the prompt in
@@ -505,6 +552,19 @@ class Runner:
             h = _grow(h, (max(rows, h.shape[0]), src.history.shape[1]), self.hasher.pad_id)
             h[row].copy_(src.history[0])
         return State(tensors, h)
+
+    def snapshot(self, state: State, row: int) -> Snapshot:
+        """A copy of row `row` of `state` (every state tensor [1, ...] at its capacity, the engram
+        history [1, H]), for the prefix cache (runtime_min/prefix_cache.py): the state after the
+        tokens that row was fed. A copy, so the row may go on running."""
+        h = state.history
+        return Snapshot({k: v[row:row + 1].clone() for k, v in state.tensors.items()},
+                        None if h is None else h[row:row + 1].clone())
+
+    def restore(self, snap: Snapshot) -> State:
+        """A one-row State from a copy of `snap` (the cache keeps its own tensors unchanged)."""
+        h = snap.engram_history
+        return State({k: v.clone() for k, v in snap.state.items()}, None if h is None else h.clone())
 
     def move_row(self, state: State, dst: int, src: int) -> None:
         """Copy row `src` of `state` into row `dst`, in place (a freed row taken by the last one)."""

@@ -26,6 +26,16 @@ One step:
    capacity holding every row's position (Runner.decode). A row is freed the moment its
    request ends, and the last row moves into its place so the active rows stay at the front.
 
+Prefix cache (runtime_min/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
+copy of the snapshot of its longest cached prefix of at most all but its last token (so the rest
+is at least one token, whose logits give the first token) and runs only the rest, as chunks
+(Runner.prefill_job). Snapshots are inserted after every call of a prefill (its prompt so far: at
+chunk boundaries and at the end of the prompt) and when a request's row is freed (the tokens its
+row was fed: the prompt plus the completion but its last sampled token, which is never fed back;
+what a chat's next turn resends). The output is the request's without the cache, bit for bit: a
+state row after N tokens is the same whichever steps produced it (graphs/model.py, one layout
+for prefill, chunk and decode; tests/test_model.py).
+
 Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
 (same batch bucket, its own padded length); a decode row reads and writes only its own state
 row; the cpu target's kernels have a fixed order of operations whatever the batch and row
@@ -58,6 +68,7 @@ from dsneuron import UserError
 
 from . import select
 from .collectives import collective_seconds
+from .prefix_cache import PrefixCache
 from .runner import PrefillJob, Runner, State
 from .sampling import check_params, check_seed, sample
 
@@ -200,6 +211,7 @@ class Request:
         self._stream: TextStream | None = None
         self._pending = ""  # final text held back: it may be the start of a stop string
         self._job: PrefillJob | None = None  # while the prompt is prefilled
+        self._fed = 0  # tokens its state row holds: the prompt, then one more per decode step
 
     @property
     def finished(self) -> bool:
@@ -236,17 +248,19 @@ class Scheduler:
     detokenize(ids) -> str: the text of token ids (runtime_min/session.py Session.decode), for the
     streamed text and stop strings; max_queue: waiting requests at most (None: no bound, for a
     caller that submits a known list); stats: a GenerationStats that the steps add their times to
-    (Session.generate's last_stats).
+    (Session.generate's last_stats); prefix_cache: where prompts start from the state after their
+    longest cached prefix and leave snapshots (module docstring, "Prefix cache"); None: no cache.
     """
 
     def __init__(self, runner: Runner, detokenize: Callable[[list[int]], str], max_queue: int | None = None,
-                 stats: GenerationStats | None = None):
+                 stats: GenerationStats | None = None, prefix_cache: PrefixCache | None = None):
         if max_queue is not None and max_queue < 1:
             raise UserError(f"max_queue must be a positive integer, got {max_queue}")
         self.runner = runner
         self.detokenize = detokenize
         self.max_queue = max_queue
         self.stats = stats
+        self.prefix_cache = prefix_cache
         self.max_rows = max(runner.decode_batches)
         self.vocab_size = runner.vocab_size
         self._lock = threading.Lock()
@@ -380,17 +394,22 @@ class Scheduler:
             self._prefill(r)
 
     def _prefill(self, r: Request) -> None:
-        """The next executable call of r's prefill (the first one creates its job); when the
-        prompt is done, its first token and its row."""
+        """The next executable call of r's prefill (the first one creates its job, from the longest
+        cached prefix of at most all but its last token); when the prompt is done, its first token
+        and its row. Snapshots go to the prefix cache after every call."""
         t0 = time.perf_counter()
         try:
             if r._job is None:
-                r._job = self.runner.prefill_job(r.prompt_ids)
+                hit = None
+                if self.prefix_cache is not None and len(r.prompt_ids) > 1:
+                    hit = self.prefix_cache.longest_prefix(r.prompt_ids, len(r.prompt_ids) - 1)
+                r._job = self.runner.prefill_job(r.prompt_ids, prefix=hit)
             done = r._job.step()
         except BaseException as e:
             self._prefilling = None
             self._end(r, "error", f"{type(e).__name__}: {e}")
             raise
+        self._keep(r.prompt_ids[:r._job.fed], r._job.last.state, 0)
         if self.stats is not None:
             self.stats.prefill_s += time.perf_counter() - t0
         if not done:
@@ -399,12 +418,18 @@ class Scheduler:
         self._prefilling = None
         prefilled = r._job.result
         r._job = None  # its state is copied into the row: not kept twice
+        r._fed = len(r.prompt_ids)
         self._accept(r, int(sample(prefilled.logits[:1], r.temperature, r.top_p, r._generator, r._allowed())[0]))
         if not r.finished:  # row 0 of the prefill's state into the next free row
             n = len(self._running)
             rows = select.first_fit(self.runner.decode_batches, n + 1)
             self._state = self.runner.place_row(self._state, n, prefilled.state, rows)
             self._running.append(r)
+
+    def _keep(self, fed: list[int], state: State, row: int) -> None:
+        """Snapshot row `row` of `state`, the state after the tokens `fed`, into the prefix cache."""
+        if self.prefix_cache is not None and fed and self.prefix_cache.max_bytes:
+            self.prefix_cache.insert(fed, self.runner.snapshot(state, row))
 
     def _decode(self) -> None:
         n = len(self._running)
@@ -425,6 +450,7 @@ class Scheduler:
             raise
         self._state = step.state
         for i, r in enumerate(self._running):
+            r._fed += 1
             self._accept(r, int(sample(step.logits[i:i + 1], r.temperature, r.top_p, r._generator, r._allowed())[0]))
         if self.stats is not None:
             self.stats.decode_s += time.perf_counter() - t0
@@ -435,8 +461,10 @@ class Scheduler:
             self._free(r)
 
     def _free(self, r: Request) -> None:
-        """Free r's row: the last row moves into it."""
+        """Free r's row (a snapshot of it to the prefix cache first: what a chat's next turn
+        resends); the last row moves into it."""
         i, last = self._running.index(r), len(self._running) - 1
+        self._keep((r.prompt_ids + r.generated)[:r._fed], self._state, i)
         if i != last:
             self.runner.move_row(self._state, i, last)
             self._running[i] = self._running[last]

@@ -8,7 +8,13 @@ GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/cha
 DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200; 503 once
 draining, for an in-process drain: SIGTERM closes the socket); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
 tokens, finished requests by reason, rejected requests by status, time to first token, inter-token
-latency and request latency histograms).
+latency and request latency histograms; with a prefix cache its lookups, hits, misses, hit tokens,
+evictions, bytes and entries, as dsneuron_prefix_cache_*).
+
+Prefix cache (--prefix-cache-gib, `prefix_cache_bytes`): a request starts from the state after the
+longest cached prefix of its prompt and prefills only the rest (runtime_min/scheduler.py), with the
+output it gets without the cache, bit for bit. Off for a sharded bundle (every rank's cache would
+have to evict as rank 0's does).
 
 Chat requests may carry tools, thinking mode and response_format (runtime_min/openai_protocol.py):
 the prompt is rendered by runtime_min/chat.py, the reply split into content, reasoning and tool
@@ -69,6 +75,7 @@ from . import chat
 from .grammar import GrammarError, Grammars
 from .openai_protocol import (ChatChoice, ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists,
                               usage)
+from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Request, RequestError, Scheduler
 from .session import Session
 
@@ -138,6 +145,9 @@ class Metrics:
 
     def __init__(self, scheduler: Scheduler):
         r = self.registry = CollectorRegistry()
+        cache = scheduler.prefix_cache
+        if cache is not None:  # named as vLLM's prefix-cache metrics (vllm:prefix_cache_queries, _hits)
+            _PrefixCacheCollector(cache, r)
         Gauge("dsneuron_num_requests_waiting", "Requests in the queue, not yet admitted to a row",
               registry=r).set_function(lambda: scheduler.waiting)
         Gauge("dsneuron_num_requests_running", "Requests decoding in a row of the batch buckets",
@@ -155,6 +165,34 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
 
 
+class _PrefixCacheCollector:
+    """The prefix cache's counters (runtime_min/prefix_cache.py PrefixCache.stats) read at each
+    scrape: lookups and hits (vLLM counts queries and hits in tokens; here a lookup is one request's
+    prompt), the prompt tokens the hits did not prefill, the bytes and entries held, evictions."""
+
+    def __init__(self, cache: PrefixCache, registry: CollectorRegistry):
+        self.cache = cache
+        registry.register(self)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.cache.stats()
+        yield CounterMetricFamily("dsneuron_prefix_cache_queries", "Prompts looked up in the prefix cache",
+                                  value=st["hits"] + st["misses"])
+        yield CounterMetricFamily("dsneuron_prefix_cache_hits", "Prompts that started from a cached prefix",
+                                  value=st["hits"])
+        yield CounterMetricFamily("dsneuron_prefix_cache_misses", "Prompts with no cached prefix", value=st["misses"])
+        yield CounterMetricFamily("dsneuron_prefix_cache_hit_tokens", "Prompt tokens not prefilled: the cached "
+                                  "prefixes' lengths, summed over the hits", value=st["tokens_saved"])
+        yield CounterMetricFamily("dsneuron_prefix_cache_evictions", "Snapshots evicted (least recently used)",
+                                  value=st["evictions"])
+        yield GaugeMetricFamily("dsneuron_prefix_cache_bytes", "Bytes of the snapshots held", value=st["bytes"])
+        yield GaugeMetricFamily("dsneuron_prefix_cache_max_bytes", "The budget (--prefix-cache-gib)",
+                                value=self.cache.max_bytes)
+        yield GaugeMetricFamily("dsneuron_prefix_cache_entries", "Snapshots held", value=st["entries"])
+
+
 class Engine:
     """The scheduler and the one thread that steps it.
 
@@ -164,8 +202,12 @@ class Engine:
     sharded bundle follow rank 0 (`channel`: rank 0 sends each step's events to the others,
     `follow`)."""
 
-    def __init__(self, session: Session, max_queue: int, channel: "Channel | None" = None):
-        self.scheduler = session.scheduler()  # the engine bounds the queue: waiting + events not yet applied
+    def __init__(self, session: Session, max_queue: int, channel: "Channel | None" = None,
+                 prefix_cache_bytes: int = 0):
+        # the engine bounds the queue: waiting + events not yet applied. No prefix cache for the
+        # ranks of a sharded bundle: each rank's cache would have to evict exactly as rank 0's
+        cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and channel is None else None
+        self.scheduler = session.scheduler(prefix_cache=cache)
         self.session = session
         self.max_queue = max_queue
         self.metrics = Metrics(self.scheduler)
@@ -651,9 +693,10 @@ class _Server(uvicorn.Server):
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 128,
           api_key: str | None = None, model_name: str = "dsneuron", grace: float = 30.0,
           ready: Callable[[str], None] | None = None, sock: socket.socket | None = None,
-          limits: Limits = Limits()) -> None:
+          limits: Limits = Limits(), prefix_cache_bytes: int = 0) -> None:
     """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
-    a free one; `sock`: a socket `listen` bound already (host and port are then its). ready(url) is
+    a free one; `sock`: a socket `listen` bound already (host and port are then its);
+    prefix_cache_bytes: the prefix cache's budget (0: none; runtime_min/prefix_cache.py). ready(url) is
     called once the socket listens. Raises UserError for an address that cannot be bound; after
     Ctrl-C the KeyboardInterrupt uvicorn raises again.
 
@@ -667,7 +710,7 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
         if dist.get_rank() != 0:
             follow(session, channel)
             return
-    engine = Engine(session, max_queue, channel)
+    engine = Engine(session, max_queue, channel, prefix_cache_bytes)
     app = create_app(engine, model_name, api_key, limits)
     sock = sock or listen(host, port)
     # h11 refuses (400) a request line and headers past its own bound: keep it above --max-header-bytes so

@@ -50,6 +50,7 @@ import torch
 from dsneuron import UserError
 
 from .bundle import Bundle
+from .prefix_cache import PrefixCache
 from .runner import Runner, Step
 from .sampling import check_params, check_seed
 from .scheduler import GenerationStats, Request, Scheduler, check_context
@@ -120,9 +121,10 @@ class Session:
         """The text of token ids, special tokens (EOS, role markers) left out."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def scheduler(self, max_queue: int | None = None, stats: GenerationStats | None = None) -> Scheduler:
-        """A Scheduler over this session's runner, detokenizing with `decode`."""
-        return Scheduler(self.runner, self.decode, max_queue=max_queue, stats=stats)
+    def scheduler(self, max_queue: int | None = None, stats: GenerationStats | None = None,
+                  prefix_cache: PrefixCache | None = None) -> Scheduler:
+        """A Scheduler over this session's runner, detokenizing with `decode` (prefix_cache: Scheduler's)."""
+        return Scheduler(self.runner, self.decode, max_queue=max_queue, stats=stats, prefix_cache=prefix_cache)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,

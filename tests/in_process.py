@@ -34,10 +34,10 @@ class Script:
 
 
 @contextmanager
-def served(session, script: str | None = None, delay: float = 0.0, **limits):
+def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_bytes: int = 0, **limits):
     """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/server.py
-    Limits fields) whose requests sample `script` (when given), `delay` seconds a token; yields
-    (base URL, the Requests it queued)."""
+    Limits fields; prefix_cache_bytes: its prefix cache, 0 for none) whose requests sample `script`
+    (when given), `delay` seconds a token; yields (base URL, the Requests it queued)."""
     from dsneuron.runtime_min.server import Engine, Limits, create_app
 
     seen = []
@@ -48,7 +48,7 @@ def served(session, script: str | None = None, delay: float = 0.0, **limits):
             ids = None if script is None else session.tokenizer.encode(script, add_special_tokens=False).ids
             r.constraint = Script(ids, session.manifest.tokenizer.eos_token_id, session.vocab_size, delay)
 
-    engine = Engine(session, 8)
+    engine = Engine(session, 8, prefix_cache_bytes=prefix_cache_bytes)
     app = create_app(engine, "bundle", limits=Limits(**limits), request_hook=hook)
     with running(engine, app) as url:
         yield url, seen

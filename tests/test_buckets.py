@@ -96,6 +96,23 @@ def test_generated_list_violation_says_generated(micro):
         plan_buckets(cc(max_seq_len=129, prefill_seq_lens=[], decode_context_lens=[128]), model)
 
 
+def test_decode_batch_sizes_add_decode_buckets_only(micro):
+    """compile.decode_batch_sizes: decode buckets at those batches too; prefill and chunk buckets
+    stay at batch_sizes (the runtime prefills one prompt at a time). Left out of the manifest's
+    compile section when empty, so other bundles keep their bytes; a non-positive entry is refused."""
+    model, _ = micro
+    plan = plan_buckets(cc(decode_batch_sizes=[4, 2, 4]), model).with_dynamic_prefill(8).with_chunks()
+    assert [b.batch for b in plan.decode] == [1, 2, 4]
+    assert {b.batch for b in plan.prefill} == {b.batch for b in plan.chunk} == {1}
+    assert "decode_batch_sizes" not in cc().to_dict() and cc(decode_batch_sizes=[2]).to_dict()["decode_batch_sizes"] == [2]
+    with pytest.raises(ConfigError, match="compile.decode_batch_sizes: entries must be positive"):
+        cc(decode_batch_sizes=[0])
+    tiny_model, tiny_cc, _ = load_config("tiny")
+    tiny = plan_buckets(tiny_cc, tiny_model).with_dynamic_prefill(8).with_chunks()
+    assert [(b.kind, b.batch, b.capacity) for b in tiny.buckets] == [
+        ("prefill", 1, 1024), ("decode", 1, 1024), ("decode", 4, 1024), ("chunk", 1, 1024)]
+
+
 def test_config_rejects_lengths_above_max_seq_len():
     with pytest.raises(ConfigError, match=r"compile.prefill_seq_lens: entries must be in 1..max_seq_len=64"):
         cc(prefill_seq_lens=[16, 128])

@@ -166,7 +166,7 @@ def test_staged_chunk_equals_the_chunk_step(micro_golden, decoded):
 
 
 # ----------------------------------------------------------------------------------------- plan, schema, limits
-def test_chunk_buckets_only_above_the_largest_prefill(micro_cfg):
+def test_chunk_buckets_at_and_above_the_largest_prefill(micro_cfg):
     import dataclasses
 
     from dsneuron.compiler.buckets import plan_buckets
@@ -175,7 +175,7 @@ def test_chunk_buckets_only_above_the_largest_prefill(micro_cfg):
     cc = dataclasses.replace(load_config("micro")[1], prefill_seq_lens=(16,), decode_context_lens=(16, 32, 64))
     plan = plan_buckets(cc, micro_cfg).with_dynamic_prefill(8).with_chunks()
     assert [(b.kind, b.batch, b.seq_len, b.capacity, b.min_seq_len) for b in plan.chunk] == \
-        [("chunk", b, 16, c, 16) for b in cc.batch_sizes for c in (32, 64)]
+        [("chunk", b, 16, c, 16) for b in cc.batch_sizes for c in (16, 32, 64)]
     assert plan.buckets[-len(plan.chunk):] == plan.chunk
     assert not plan_buckets(cc, micro_cfg).chunk  # only a staged compile asks for them
 
@@ -227,6 +227,20 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
     allowed = max(1 - logit_metrics(floor, ref)["cos"], 1 - logit_metrics(nudge, ref)["cos"])
     assert 1 - logit_metrics(logits, ref)["cos"] <= allowed
     assert state["layers.0.window_kv"].shape[1] == micro_golden.cfg.window_size and history is not None
+
+
+@pytest.mark.slow
+def test_a_start_from_a_prefix_snapshot_runs_chunks_bit_for_bit(chunk_session):
+    """runtime_min/runner.py prefill_job(prefix=): the rest of a 50-token prompt after the snapshot
+    of its first n tokens runs through the chunk bucket (16 tokens a call at capacity 64) and gives
+    the whole prompt's logits, state and engram history bit for bit, at n = 1, 7, 16, 33 and 49."""
+    from test_prefix_serving import assert_resumes_bit_for_bit
+
+    runner = chunk_session.runner
+    ids = _ids(50, 3)[0].tolist()
+    job = runner.prefill_job(ids, prefix=(33, runner.snapshot(runner.prefill_job(ids[:33]).run().state, 0)))
+    assert job.run().bucket.kind == "chunk"
+    assert_resumes_bit_for_bit(runner, ids, [1, 7, 16, 33, 49])
 
 
 @pytest.mark.slow

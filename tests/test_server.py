@@ -446,6 +446,9 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(bundle):
     (["--max-header-bytes", "10"], "--max-header-bytes must be at least 256"),
     (["--request-timeout", "0"], "--request-timeout must be at least"),
     (["--sse-keepalive", "-1"], "--sse-keepalive must be at least"),
+    (["--prefix-cache-gib", "-1"], "--prefix-cache-gib must be in 0..4096"),
+    (["--prefix-cache-gib", "nan"], "--prefix-cache-gib must be in 0..4096"),
+    (["--prefix-cache-gib", "1e9"], "--prefix-cache-gib must be in 0..4096"),
 ])
 def test_bad_serve_flags_exit_2(bundle, flags, words):
     cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "serve", str(bundle), *flags]
