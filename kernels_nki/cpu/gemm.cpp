@@ -224,7 +224,7 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
   const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
   const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
   float* ob = static_cast<float*>(out.mutable_data_ptr());
-  torch::stable::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> buf;  // the decoded panel, from the first item that needs one
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];

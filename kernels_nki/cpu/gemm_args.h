@@ -106,6 +106,24 @@ std::vector<Item> work_items(const std::vector<int64_t>& seg, int64_t P, int64_t
   return items;
 }
 
+// Panel bytes a thread must have to read before a call's items are split across threads: below
+// it they run on the calling thread, since a parallel_for's rendezvous costs more than it saves.
+// Each element is still computed by one thread in its fixed order, so results do not depend on
+// it. Measured on tiny's decode (2 threads, a shared 2-core host at load ~12): a step took 7.0 s
+// at 2 threads and 0.6 s at 1, each of the ~100 small GEMVs a step waiting ~35 ms for the second
+// thread to be scheduled; on a quiet host the rendezvous is ~10-30 us, a 256 KB panel read ~25 us
+constexpr int64_t kParallelBytes = 256 << 10;
+
+// the parallel_for grain of `items` over panels of `panel_bytes`: a panel counted once per `tile`
+// rows the item serves (prefill items carry their rows' compute), each thread's share >= kParallelBytes
+int64_t item_grain(const std::vector<Item>& items, int64_t panel_bytes, int64_t tile) {
+  int64_t total = 0;
+  for (const Item& it : items) total += panel_bytes * ((it.r1 - it.r0 + tile - 1) / tile);
+  if (items.empty() || total <= 0) return 1;
+  const int64_t per = std::max<int64_t>(1, total / int64_t(items.size()));
+  return std::max<int64_t>(1, (kParallelBytes + per - 1) / per);
+}
+
 // a family's kernel entry: seg = row offsets of the E experts (one expert for the plain ops);
 // lead: 1 when w / s are stacked per expert; init: nullptr, or fp32 [R, n] the sums start from
 using RunFn = Tensor (*)(const Tensor& a, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s,
