@@ -26,8 +26,8 @@ caches do not count in another's):
    FMA peak (bench/cpu_gemm.py), measured in the same child;
 7. the decode step alone at each of --batch-sizes (a second bundle with those batch buckets,
    compiled from the warm cache, not timed; bench/serve.py `decode_step_times`).
-With --numerics naming several cpu kernel numerics (graphs.config.NUMERICS_MODES), items 1-3 and 6-7
-run for the first as above, and each other one gets its own cold compile, bundle measurement (2, 5,
+With --numerics naming several cpu kernel numerics (graphs.config.NUMERICS_MODES; by default both,
+exact first), items 1-3 and 6-7 run for the first as above, and each other one gets its own cold compile, bundle measurement (2, 5,
 6: each child measures torch.mm and the FMA peak beside its own prefill) and batch buckets (7); a
 last table puts the modes side by side: compile, prefill GFLOP/s against torch.mm bf16 on the same
 shapes and the FMA peak, decode tok/s against the weight-read roofline, rows/s per batch bucket.
@@ -500,8 +500,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-doubled", action="store_true", help="skip the doubled-layer cold compile")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager golden model's timings")
     ap.add_argument("--batch-sizes", default="1,2,4,8", help="decode batch buckets timed (comma-separated; '' skips)")
-    ap.add_argument("--numerics", default="", help="kernel numerics measured side by side, e.g. exact,fast "
-                    "[default: the config's]")
+    ap.add_argument("--numerics", default="exact,fast", help="kernel numerics measured side by side, the first "
+                    "as the main figures; one mode (e.g. exact) measures only it [default: exact,fast]")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

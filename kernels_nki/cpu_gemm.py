@@ -58,7 +58,7 @@ import os
 import platform
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -346,28 +346,36 @@ def check_args(fn: str, a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          f"P = {p} panels, got {n}")
 
 
-@torch.library.register_fake("dsneuron::gemm_panels")
-def _gemm_panels_fake(a, w, w_scale, fmt, n):
-    check_args("gemm_panels", a, w, w_scale, fmt, n)
-    return a.new_empty((a.shape[0], n))
+def register_gemm_fakes(plain: str, check: Callable[..., None]) -> None:
+    """Fake (meta) implementations of one GEMM op family, `plain` ("ns::op"), `plain`_acc and
+    `plain`_segments (gemm.cpp's and gemm_fast.cpp's three ops share their signatures): each runs
+    check(fn, a, w, w_scale, fmt, n, experts=None) (`check_args` or the fast family's), the acc
+    op's init check and the segments op's offsets check, then returns fp32 [rows of a, n]."""
+    name = plain.split("::")[-1]
+
+    @torch.library.register_fake(plain)
+    def _plain_fake(a, w, w_scale, fmt, n):
+        check(name, a, w, w_scale, fmt, n)
+        return a.new_empty((a.shape[0], n))
+
+    @torch.library.register_fake(f"{plain}_acc")
+    def _acc_fake(a, w, w_scale, fmt, n, init):
+        check(f"{name}_acc", a, w, w_scale, fmt, n)
+        if init.dim() != 2 or init.dtype != torch.float32 or tuple(init.shape) != (a.shape[0], n):
+            raise ValueError(f"{name}_acc: init must be a Float tensor [M, n] = [{a.shape[0]}, {n}], got "
+                             f"{init.dtype} {tuple(init.shape)}")
+        return a.new_empty((a.shape[0], n))
+
+    @torch.library.register_fake(f"{plain}_segments")
+    def _segments_fake(a, offsets, w, w_scale, fmt, n):
+        if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1:
+            raise ValueError(f"{name}_segments: offsets must be a Long tensor [E+1], got {offsets.dtype} "
+                             f"{tuple(offsets.shape)}")
+        check(f"{name}_segments", a, w, w_scale, fmt, n, experts=offsets.shape[0] - 1)
+        return a.new_empty((a.shape[0], n))
 
 
-@torch.library.register_fake("dsneuron::gemm_panels_acc")
-def _gemm_panels_acc_fake(a, w, w_scale, fmt, n, init):
-    check_args("gemm_panels_acc", a, w, w_scale, fmt, n)
-    if init.dim() != 2 or init.dtype != torch.float32 or tuple(init.shape) != (a.shape[0], n):
-        raise ValueError(f"gemm_panels_acc: init must be a Float tensor [M, n] = [{a.shape[0]}, {n}], got "
-                         f"{init.dtype} {tuple(init.shape)}")
-    return a.new_empty((a.shape[0], n))
-
-
-@torch.library.register_fake("dsneuron::gemm_panels_segments")
-def _gemm_panels_segments_fake(a, offsets, w, w_scale, fmt, n):
-    if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1:
-        raise ValueError(f"gemm_panels_segments: offsets must be a Long tensor [E+1], got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
-    check_args("gemm_panels_segments", a, w, w_scale, fmt, n, experts=offsets.shape[0] - 1)
-    return a.new_empty((a.shape[0], n))
+register_gemm_fakes("dsneuron::gemm_panels", check_args)
 
 
 # ------------------------------------------------------------------------------------------ reference

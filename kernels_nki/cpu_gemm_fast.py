@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dsneuron.kernels_nki import cpu_gemm
-from dsneuron.kernels_nki.cpu_gemm import BLOCK, FORMATS, check_args, dequant_weight
+from dsneuron.kernels_nki.cpu_gemm import BLOCK, FORMATS, check_args, dequant_weight, register_gemm_fakes
 
 _SOURCE = Path(__file__).parent / "cpu" / "gemm_fast.cpp"
 #: the fast kernel's formats, by code (the first three of cpu_gemm.FORMATS)
@@ -122,28 +122,7 @@ def _check(fn: str, a, w, w_scale, fmt: int, n: int, experts: int | None = None)
     check_args(fn, a, w, w_scale, fmt, n, experts)
 
 
-@torch.library.register_fake("dsneuron::gemm_fast")
-def _gemm_fast_fake(a, w, w_scale, fmt, n):
-    _check("gemm_fast", a, w, w_scale, fmt, n)
-    return a.new_empty((a.shape[0], n))
-
-
-@torch.library.register_fake("dsneuron::gemm_fast_acc")
-def _gemm_fast_acc_fake(a, w, w_scale, fmt, n, init):
-    _check("gemm_fast_acc", a, w, w_scale, fmt, n)
-    if init.dim() != 2 or init.dtype != torch.float32 or tuple(init.shape) != (a.shape[0], n):
-        raise ValueError(f"gemm_fast_acc: init must be a Float tensor [M, n] = [{a.shape[0]}, {n}], got "
-                         f"{init.dtype} {tuple(init.shape)}")
-    return a.new_empty((a.shape[0], n))
-
-
-@torch.library.register_fake("dsneuron::gemm_fast_segments")
-def _gemm_fast_segments_fake(a, offsets, w, w_scale, fmt, n):
-    if offsets.dim() != 1 or offsets.dtype != torch.int64 or offsets.numel() < 1:
-        raise ValueError(f"gemm_fast_segments: offsets must be a Long tensor [E+1], got {offsets.dtype} "
-                         f"{tuple(offsets.shape)}")
-    _check("gemm_fast_segments", a, w, w_scale, fmt, n, experts=offsets.shape[0] - 1)
-    return a.new_empty((a.shape[0], n))
+register_gemm_fakes("dsneuron::gemm_fast", _check)
 
 
 # ------------------------------------------------------------------------------------------ reference

@@ -1,20 +1,25 @@
-"""A micro bundle compiled with `--numerics fast` (one prefill bucket of 16, one decode bucket of 64,
-no probes): its manifest declares it, its executables call the fast GEMM ops, its generated text
-is deterministic, `compare` against the golden (which re-runs with the bundle's numerics) is within
-FAST_FLOOR_FACTOR of the floors, and the CLI refuses an unknown mode with exit code 2."""
+"""A micro bundle compiled with `--numerics fast` (batch bucket 2: one prefill bucket of 16, one
+decode bucket of 64, no probes): its manifest declares it, its executables call the fast GEMM ops,
+its generated text is deterministic, `compare` against the golden (which re-runs with the bundle's
+numerics) is within FAST_FLOOR_FACTOR of the floors, the scheduler and the server give each request
+the text it gets alone while it shares the batch bucket with others (fast numerics' batch
+invariance, issue 43's goal), and the CLI refuses an unknown mode with exit code 2."""
 
 from __future__ import annotations
 
 import dataclasses
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from dsneuron.compiler.compare import compare_sequence, end_to_end_verdict
 from dsneuron.compiler.config import load_config
+from dsneuron.runtime_min.scheduler import Request
 from dsneuron.runtime_min.session import Session
+from in_process import TIMEOUT, client, served
 
 #: the fast-mode tolerance of `compare`'s end-to-end verdict: the bundle's mean 1 - cos may be this
 #: many times the larger floor's (reversed K blocks, nudged embedding). Fast numerics rounds every
@@ -25,11 +30,12 @@ FAST_FLOOR_FACTOR = 8.0
 
 @pytest.fixture(scope="module")
 def fast_bundle(tmp_path_factory, micro_checkpoint):
-    """About 4-5 minutes on 2 cores (two AOTInductor compiles)."""
+    """About 4-5 minutes on 2 cores (two AOTInductor compiles). Batch bucket 2 alone, so that two
+    requests share a decode step at no more executables than batch 1 would take."""
     from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
 
     model_cfg, compile_cfg, _ = load_config("micro")
-    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(16,), decode_context_lens=(64,),
+    compile_cfg = dataclasses.replace(compile_cfg, batch_sizes=(2,), prefill_seq_lens=(16,), decode_context_lens=(64,),
                                       chunked_prefill=False, checkpoint=str(micro_checkpoint), numerics="fast")
     root = tmp_path_factory.mktemp("micro_fast")
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
@@ -52,6 +58,49 @@ def test_fast_bundle_compares_within_the_fast_floor(fast_bundle, micro_golden):
     ids = torch.randint(0, 128000, (15,), generator=torch.Generator().manual_seed(1)).tolist()
     v = end_to_end_verdict(compare_sequence(Session.load(fast_bundle), micro_golden, "random", ids, 11))
     assert v["bundle"] <= FAST_FLOOR_FACTOR * max(v["floor"], v["nudge"]), v
+
+
+PROMPTS = ["Hello world", "The ship sails", "a b c", "Once upon"]
+NEW = [7, 3, 9, 5]
+
+
+def _alone(session, prompt: str, n: int) -> Request:
+    """`prompt` generated alone: one request through a scheduler of its own (row 0 of bucket 2)."""
+    r = Request(session.encode(prompt), n)
+    s = session.scheduler()
+    s.submit(r)
+    s.run()
+    return r
+
+
+def test_fast_scheduler_gives_each_request_its_alone_tokens(fast_bundle):
+    """Four requests on two rows, staggered: they join, share decode steps and leave at different
+    steps, one moves from row 1 into a freed row 0; each one's ids are those it gets alone."""
+    session = Session.load(fast_bundle)
+    alone = [_alone(session, p, n).generated for p, n in zip(PROMPTS, NEW)]
+    reqs = [Request(session.encode(p), n) for p, n in zip(PROMPTS, NEW)]
+    s = session.scheduler()
+    for r in reqs:
+        s.submit(r)
+        s.step()
+    s.run()
+    assert [r.generated for r in reqs] == alone
+
+
+def test_fast_server_gives_each_client_its_alone_text(fast_bundle):
+    """Four concurrent completions from the in-process server on two rows: each text is the one
+    the request gets alone."""
+    session = Session.load(fast_bundle)
+    want = [_alone(session, p, n).text for p, n in zip(PROMPTS, NEW)]
+    with served(session) as (url, _):
+        def one(job):
+            prompt, n = job
+            return client(url).completions.create(model="bundle", prompt=prompt, max_tokens=n,
+                                                  temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(one, zip(PROMPTS, NEW), timeout=TIMEOUT * 2))
+    assert got == want
 
 
 def test_unknown_numerics_exits_2(tmp_path):

@@ -21,19 +21,12 @@
 // which reaches Python as ValueError. Build: -O3 -ffp-contract=off, plus -mavx2 -mfma -mf16c for the
 // AVX2 layer; -DDSN_NS names the op namespace (dsneuron, or another one for a second variant loaded
 // next to it in tests).
-#include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
-
 #include <algorithm>
 #include <memory>
-#include <sstream>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 #include <vector>
 
-#include "check.h"
+#include "gemm_args.h"
 #include "simd.h"
 
 #ifndef DSN_NS
@@ -43,14 +36,10 @@
 namespace dsn {
 namespace {
 
-constexpr int64_t kPanel = 16;  // output rows per prepared panel = 2 vectors of 8 lanes
-constexpr int64_t kBlock = 32;  // k per block partial (the UE8M0 scale block)
 constexpr int kTile = 6;        // rows per register tile: 6 x 2 accumulators + 2 weights + 1 broadcast <= 16 ymm
 // Panels from which on a is packed into tiles for the decoded-panel kernel: packing costs about 1.5
 // panels' work and makes each panel ~1.3x faster (measured at K = 256..4096, M = 172..715)
 constexpr int64_t kPackPanels = 8;
-enum Fmt : int64_t { FP8 = 0, FP4 = 1, BF16 = 2, FP32 = 3 };
-const char* const kFmtName[] = {"fp8", "fp4", "bf16", "fp32"};
 
 // Rows up to which a panel is decoded on the fly for each 6-row tile rather than once into a buffer:
 // decoding bf16 again is cheaper than the buffer's round trip, decoding fp8 / fp4 is not (measured)
@@ -201,88 +190,15 @@ void with_decoder(int64_t fmt, const uint8_t* w, const float* s, int64_t K, F&& 
   }
 }
 
-using torch::stable::Tensor;
-using ST = torch::headeronly::ScalarType;
-
-
-template <class Sizes>
-std::string shape_str(const Sizes& sizes) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < sizes.size(); ++i) o << (i ? ", " : "") << sizes[i];
-  o << "]";
-  return o.str();
-}
-
-std::string describe(const Tensor& t) {
-  return std::string(torch::headeronly::toString(t.scalar_type())) + " " + shape_str(t.sizes()) +
-         (t.is_contiguous() ? "" : " (not contiguous)");
-}
-
-// w: [P, Kw, 16] (lead = 0) or [E, P, Kw, 16] (lead = 1); returns P
-int64_t check_weight(const char* op, const Tensor& w, const Tensor& s, int64_t fmt, int64_t K, int64_t E, int lead) {
-  DSN_CHECK(fmt >= 0 && fmt <= 3, op, ": fmt must be 0 (fp8), 1 (fp4), 2 (bf16) or 3 (fp32), got ", fmt);
-  const ST want = fmt == BF16 ? ST::BFloat16 : fmt == FP32 ? ST::Float : ST::Byte;
-  const int64_t kw = fmt == FP4 ? K / 2 : K;
-  DSN_CHECK(w.dim() == 3 + lead && w.scalar_type() == want && w.is_contiguous() && (!lead || w.size(0) == E) &&
-                w.size(lead + 1) == kw && w.size(lead + 2) == kPanel,
-            op, ": w must be a contiguous ", torch::headeronly::toString(want), " tensor [", lead ? "E, " : "", "P, ",
-            fmt == FP4 ? "K/2=" : "K=", kw, ", 16] for fmt ", fmt, " (", kFmtName[fmt], ")",
-            lead ? " with E = offsets.numel() - 1 = " + std::to_string(E) : "", ", got ", describe(w));
-  const int64_t P = w.size(lead);
-  if (fmt == FP8 || fmt == FP4) {
-    std::vector<int64_t> shape;
-    if (lead) shape.push_back(E);
-    shape.insert(shape.end(), {P, K / kBlock});
-    if (fmt == FP4) shape.push_back(kPanel);
-    const auto got = s.sizes();
-    const bool ok = std::equal(shape.begin(), shape.end(), got.begin(), got.end());
-    DSN_CHECK(s.scalar_type() == ST::Float && s.is_contiguous() && ok, op, ": w_scale must be a contiguous Float ",
-              "tensor ", shape_str(shape), " for fmt ", fmt, " (", kFmtName[fmt], ") and w ", shape_str(w.sizes()),
-              ", got ", describe(s));
-  } else {
-    DSN_CHECK(s.numel() == 0, op, ": w_scale must be empty for fmt ", fmt, " (", kFmtName[fmt], "), got ", describe(s));
-  }
-  return P;
-}
-
-void check_n(const char* op, int64_t n, int64_t P) {
-  DSN_CHECK(P == 0 ? n == 0 : (n > kPanel * (P - 1) && n <= kPanel * P), op, ": n must be in (16*(P-1), 16*P] = (",
-            kPanel * (P - 1), ", ", kPanel * P, "] for w with P = ", P, " panels, got ", n);
-}
-
-int64_t check_a(const char* op, const Tensor& a) {
-  DSN_CHECK(a.dim() == 2 && a.scalar_type() == ST::Float, op, ": a must be a Float tensor [M, K], got ", describe(a));
-  const int64_t K = a.size(1);
-  DSN_CHECK(K > 0 && K % kBlock == 0, op, ": K = a.size(1) must be a positive multiple of 32, got ", K);
-  return K;
-}
-
-struct Item { int64_t e, p, r0, r1; };
-
-// seg: row offsets of the E experts (one expert for gemm_panels); lead: 1 when w / s are stacked
-// init: nullptr, or fp32 [R, n] that each output element's sum starts from (gemm_panels_acc)
+// the RunFn of gemm_args.h
 Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s, int64_t fmt,
-           int64_t n, int lead, const Tensor* init = nullptr) {
+           int64_t n, int lead, const Tensor* init) {
   const Tensor a = a_in.is_contiguous() ? a_in : torch::stable::contiguous(a_in);
   const int64_t R = a.size(0), K = a.size(1), P = w.size(lead), E = int64_t(seg.size()) - 1;
   Tensor out = init ? torch::stable::clone(*init) : torch::stable::new_empty(a, {R, n});
   if (init && !out.is_contiguous()) out = torch::stable::contiguous(out);
   if (R == 0 || n == 0) return out;
-  // work items; rows are split (in whole tiles) only when the panels alone cannot feed the threads
-  const int64_t nth = torch::stable::get_num_threads();
-  int64_t busy = 0;
-  for (int64_t e = 0; e < E; ++e) busy += (seg[e + 1] > seg[e]) * P;
-  const int64_t split = busy == 0 ? 1 : std::max<int64_t>(1, (4 * nth + busy - 1) / busy);
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = seg[e + 1] - seg[e];
-    if (rows == 0) continue;
-    const int64_t chunk = std::max<int64_t>(kTile, ((rows + split - 1) / split + kTile - 1) / kTile * kTile);
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t r0 = seg[e]; r0 < seg[e + 1]; r0 += chunk)
-        items.push_back({e, p, r0, std::min(r0 + chunk, seg[e + 1])});
-  }
+  const std::vector<Item> items = work_items(seg, P, kTile);
   // with enough panels, the experts with more than one tile get a packed into tiles of 6 rows
   // [K][6] (tile t at ap + t*K*6), so a tile's 6 broadcasts per k are one contiguous run; padding
   // rows of a last tile are never read
@@ -308,7 +224,7 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
   const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
   const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
   float* ob = static_cast<float*>(out.mutable_data_ptr());
-  torch::stable::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> buf;  // the decoded panel, from the first item that needs one
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -329,38 +245,16 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
 }
 
 Tensor gemm_panels(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
-  const int64_t K = check_a("gemm_panels", a);
-  check_n("gemm_panels", n, check_weight("gemm_panels", w, w_scale, fmt, K, 1, 0));
-  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0);
+  return gemm_op(run, FP32, "gemm_panels", a, w, w_scale, fmt, n);
 }
 
-// init [M, n] fp32 + a @ W.T with every element's block sum continued from init[m, n] instead of 0:
 // the adds gemm_panels makes for all K when init is the sum of the K blocks before this shard's
 Tensor gemm_panels_acc(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n, Tensor init) {
-  const char* op = "gemm_panels_acc";
-  const int64_t K = check_a(op, a);
-  check_n(op, n, check_weight(op, w, w_scale, fmt, K, 1, 0));
-  DSN_CHECK(init.dim() == 2 && init.scalar_type() == ST::Float && init.size(0) == a.size(0) && init.size(1) == n, op,
-            ": init must be a Float tensor [M, n] = [", a.size(0), ", ", n, "], got ", describe(init));
-  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0, &init);
+  return gemm_acc_op(run, FP32, "gemm_panels_acc", a, w, w_scale, fmt, n, init);
 }
 
 Tensor gemm_panels_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
-  const char* op = "gemm_panels_segments";
-  const int64_t K = check_a(op, a), R = a.size(0);
-  DSN_CHECK(offsets.dim() == 1 && offsets.scalar_type() == ST::Long && offsets.numel() >= 1, op,
-            ": offsets must be a Long tensor [E+1], got ", describe(offsets));
-  const Tensor off = offsets.is_contiguous() ? offsets : torch::stable::contiguous(offsets);
-  const auto* o = static_cast<const int64_t*>(off.const_data_ptr());
-  const std::vector<int64_t> seg(o, o + off.numel());
-  const int64_t E = int64_t(seg.size()) - 1;
-  DSN_CHECK(seg.front() == 0 && seg.back() == R, op, ": offsets must start at 0 and end at R = a.size(0) = ", R,
-            ", got ", seg.front(), " and ", seg.back());
-  for (int64_t e = 0; e < E; ++e)
-    DSN_CHECK(seg[e] <= seg[e + 1], op, ": offsets must be non-decreasing, got offsets[", e, "] = ", seg[e],
-              " > offsets[", e + 1, "] = ", seg[e + 1]);
-  check_n(op, n, check_weight(op, w, w_scale, fmt, K, E, 1));
-  return run(a, seg, w, w_scale, fmt, n, 1);
+  return gemm_segments_op(run, FP32, "gemm_panels_segments", a, offsets, w, w_scale, fmt, n);
 }
 
 }  // namespace

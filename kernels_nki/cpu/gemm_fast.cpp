@@ -20,18 +20,13 @@
 //                    up to kTile rows, each row's partial and acc in registers.
 // Build: its own library (cpu_gemm_fast.py), -O3 -ffp-contract=off, with -mavx512f -mavx512bw
 // -mavx512bf16 where the host has AVX512-BF16, else the AVX2 flags of gemm.cpp.
-#include <torch/csrc/stable/library.h>
-#include <torch/csrc/stable/ops.h>
-#include <torch/csrc/stable/tensor.h>
-
 #include <algorithm>
 #include <memory>
-#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "bf16dot.h"
-#include "check.h"
+#include "gemm_args.h"
 
 #ifndef DSN_NS
 #error "build with -DDSN_NS=<op namespace>"
@@ -40,13 +35,9 @@
 namespace dsn {
 namespace {
 
-constexpr int64_t kPanel = 16;    // output columns per prepared panel = one 16-lane accumulator
-constexpr int64_t kBlock = 32;    // k per block partial (the UE8M0 scale block)
 constexpr int64_t kPairs = kBlock / 2;
 constexpr int kTile = 12;         // rows per register tile: 12 partials + 12 accs + weights < 32 zmm
 constexpr int64_t kDirect = 4;    // rows up to which pairs are expanded on the fly (measured on tiny)
-enum Fmt : int64_t { FP8 = 0, FP4 = 1, BF16 = 2 };
-const char* const kFmtName[] = {"fp8", "fp4", "bf16"};
 
 // One prepared panel of one format: pair(j) = pair vector of k = 2j, 2j+1; scale(b) = block b's
 // scales per lane; ptr(j) = where pair j's bytes are (for prefetching)
@@ -156,62 +147,11 @@ void run_panel(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int64_t 
   }
 }
 
-using torch::stable::Tensor;
-using ST = torch::headeronly::ScalarType;
-
-std::string describe(const Tensor& t) {
-  std::string s = std::string(torch::headeronly::toString(t.scalar_type())) + " [";
-  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
-  return s + "]" + (t.is_contiguous() ? "" : " (not contiguous)");
-}
-
-// w: [P, Kw, 16] (lead = 0) or [E, P, Kw, 16] (lead = 1); returns P
-int64_t check_weight(const char* op, const Tensor& w, const Tensor& s, int64_t fmt, int64_t K, int64_t E, int lead) {
-  DSN_CHECK(fmt >= 0 && fmt <= 2, op, ": fmt must be 0 (fp8), 1 (fp4) or 2 (bf16), got ", fmt,
-            " (fp32 weights have no fast path: gemm_panels)");
-  const ST want = fmt == BF16 ? ST::BFloat16 : ST::Byte;
-  const int64_t kw = fmt == FP4 ? K / 2 : K;
-  DSN_CHECK(w.dim() == 3 + lead && w.scalar_type() == want && w.is_contiguous() && (!lead || w.size(0) == E) &&
-                w.size(lead + 1) == kw && w.size(lead + 2) == kPanel,
-            op, ": w must be a contiguous ", torch::headeronly::toString(want), " tensor [", lead ? "E, " : "", "P, ",
-            fmt == FP4 ? "K/2=" : "K=", kw, ", 16] for fmt ", fmt, " (", kFmtName[fmt], ")",
-            lead ? " with E = offsets.numel() - 1 = " + std::to_string(E) : "", ", got ", describe(w));
-  const int64_t P = w.size(lead);
-  if (fmt == BF16) {
-    DSN_CHECK(s.numel() == 0, op, ": w_scale must be empty for fmt 2 (bf16), got ", describe(s));
-    return P;
-  }
-  std::vector<int64_t> shape;
-  if (lead) shape.push_back(E);
-  shape.insert(shape.end(), {P, K / kBlock});
-  if (fmt == FP4) shape.push_back(kPanel);
-  bool ok = s.scalar_type() == ST::Float && s.is_contiguous() && s.dim() == int64_t(shape.size());
-  for (int64_t i = 0; ok && i < s.dim(); ++i) ok = s.size(i) == shape[i];
-  DSN_CHECK(ok, op, ": w_scale must be a contiguous Float tensor of ", shape.size(), " dims [", lead ? "E, " : "",
-            "P, K/32", fmt == FP4 ? ", 16" : "", "] for fmt ", fmt, " (", kFmtName[fmt], "), got ", describe(s));
-  return P;
-}
-
-void check_n(const char* op, int64_t n, int64_t P) {
-  DSN_CHECK(P == 0 ? n == 0 : (n > kPanel * (P - 1) && n <= kPanel * P), op, ": n must be in (16*(P-1), 16*P] = (",
-            kPanel * (P - 1), ", ", kPanel * P, "] for w with P = ", P, " panels, got ", n);
-}
-
-int64_t check_a(const char* op, const Tensor& a) {
-  DSN_CHECK(a.dim() == 2 && a.scalar_type() == ST::Float, op, ": a must be a Float tensor [M, K], got ", describe(a));
-  const int64_t K = a.size(1);
-  DSN_CHECK(K > 0 && K % kBlock == 0, op, ": K = a.size(1) must be a positive multiple of 32, got ", K);
-  return K;
-}
-
-struct Item { int64_t e, p, r0, r1; };
-
-// seg: row offsets of the E experts (one expert for gemm_fast); lead: 1 when w / s are stacked;
-// init: nullptr, or fp32 [R, n] that each output element's sum starts from
+// the RunFn of gemm_args.h
 Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s, int64_t fmt,
-           int64_t n, int lead, const Tensor* init = nullptr) {
+           int64_t n, int lead, const Tensor* init) {
   const Tensor a = a_in.is_contiguous() ? a_in : torch::stable::contiguous(a_in);
-  const int64_t R = a.size(0), K = a.size(1), P = w.size(lead), E = int64_t(seg.size()) - 1;
+  const int64_t R = a.size(0), K = a.size(1), P = w.size(lead);
   Tensor out = init ? torch::stable::clone(*init) : torch::stable::new_empty(a, {R, n});
   if (init && !out.is_contiguous()) out = torch::stable::contiguous(out);
   if (R == 0 || n == 0) return out;
@@ -221,26 +161,13 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
   torch::stable::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
     to_bf16(af + begin * K, abf.get() + begin * K, (end - begin) * K);
   });
-  // work items; rows are split (in whole tiles) only when the panels alone cannot feed the threads
-  const int64_t nth = torch::stable::get_num_threads();
-  int64_t busy = 0;
-  for (int64_t e = 0; e < E; ++e) busy += (seg[e + 1] > seg[e]) * P;
-  const int64_t split = busy == 0 ? 1 : std::max<int64_t>(1, (4 * nth + busy - 1) / busy);
-  std::vector<Item> items;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = seg[e + 1] - seg[e];
-    if (rows == 0) continue;
-    const int64_t chunk = std::max<int64_t>(kTile, ((rows + split - 1) / split + kTile - 1) / kTile * kTile);
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t r0 = seg[e]; r0 < seg[e + 1]; r0 += chunk)
-        items.push_back({e, p, r0, std::min(r0 + chunk, seg[e + 1])});
-  }
+  const std::vector<Item> items = work_items(seg, P, kTile);
   const auto* wb = static_cast<const uint8_t*>(w.const_data_ptr());
   const float* sb = s.numel() ? static_cast<const float*>(s.const_data_ptr()) : nullptr;
   const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
   const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
   float* ob = static_cast<float*>(out.mutable_data_ptr());
-  torch::stable::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
     std::unique_ptr<uint16_t[]> buf(new uint16_t[K * kPanel]);  // one expanded panel: K/2 pairs of 32 bf16
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -259,36 +186,15 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
 }
 
 Tensor gemm_fast(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
-  const int64_t K = check_a("gemm_fast", a);
-  check_n("gemm_fast", n, check_weight("gemm_fast", w, w_scale, fmt, K, 1, 0));
-  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0);
+  return gemm_op(run, BF16, "gemm_fast", a, w, w_scale, fmt, n);
 }
 
 Tensor gemm_fast_acc(Tensor a, Tensor w, Tensor w_scale, int64_t fmt, int64_t n, Tensor init) {
-  const char* op = "gemm_fast_acc";
-  const int64_t K = check_a(op, a);
-  check_n(op, n, check_weight(op, w, w_scale, fmt, K, 1, 0));
-  DSN_CHECK(init.dim() == 2 && init.scalar_type() == ST::Float && init.size(0) == a.size(0) && init.size(1) == n, op,
-            ": init must be a Float tensor [M, n] = [", a.size(0), ", ", n, "], got ", describe(init));
-  return run(a, {0, a.size(0)}, w, w_scale, fmt, n, 0, &init);
+  return gemm_acc_op(run, BF16, "gemm_fast_acc", a, w, w_scale, fmt, n, init);
 }
 
 Tensor gemm_fast_segments(Tensor a, Tensor offsets, Tensor w, Tensor w_scale, int64_t fmt, int64_t n) {
-  const char* op = "gemm_fast_segments";
-  const int64_t K = check_a(op, a), R = a.size(0);
-  DSN_CHECK(offsets.dim() == 1 && offsets.scalar_type() == ST::Long && offsets.numel() >= 1, op,
-            ": offsets must be a Long tensor [E+1], got ", describe(offsets));
-  const Tensor off = offsets.is_contiguous() ? offsets : torch::stable::contiguous(offsets);
-  const auto* o = static_cast<const int64_t*>(off.const_data_ptr());
-  const std::vector<int64_t> seg(o, o + off.numel());
-  const int64_t E = int64_t(seg.size()) - 1;
-  DSN_CHECK(seg.front() == 0 && seg.back() == R, op, ": offsets must start at 0 and end at R = a.size(0) = ", R,
-            ", got ", seg.front(), " and ", seg.back());
-  for (int64_t e = 0; e < E; ++e)
-    DSN_CHECK(seg[e] <= seg[e + 1], op, ": offsets must be non-decreasing, got offsets[", e, "] = ", seg[e],
-              " > offsets[", e + 1, "] = ", seg[e + 1]);
-  check_n(op, n, check_weight(op, w, w_scale, fmt, K, E, 1));
-  return run(a, seg, w, w_scale, fmt, n, 1);
+  return gemm_segments_op(run, BF16, "gemm_fast_segments", a, offsets, w, w_scale, fmt, n);
 }
 
 }  // namespace
