@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -432,7 +435,18 @@ class _Linears(torch.nn.Module):
 
 def test_aoti_package_calls_the_ops(tmp_path):
     """Export with a symbolic row count (fake tensors), compile with AOTInductor, run through the C++
-    loader's proxy executor: bitwise the eager ops, at row counts other than the traced one."""
+    loader's proxy executor: bitwise the eager ops, at row counts other than the traced one. In a
+    child process: after this package ran in a pytest process, tests/test_compiled_rounding.py's
+    MoE check (eager against torch.compile, no package) found 3 routing weights one fp32 ulp apart;
+    the cause is not found yet, so this test keeps its process state to itself."""
+    if os.environ.get("DSNEURON_AOTI_CHILD") != "1":
+        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                f"{__file__}::test_aoti_package_calls_the_ops", "--basetemp", str(tmp_path)],
+                               env={**os.environ, "DSNEURON_AOTI_CHILD": "1"}, capture_output=True, text=True,
+                               timeout=600)
+        assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+        assert "1 passed" in child.stdout, child.stdout[-2000:]
+        return
     gen = torch.Generator().manual_seed(10)
     w8, s8 = checkpoint_weight("fp8", 64, 96, gen)
     w4, s4 = checkpoint_weight("fp4", 24, 64, gen, lead=(3,))
