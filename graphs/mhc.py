@@ -19,8 +19,8 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
     pre = sigmoid(.) + eps; post = 2*sigmoid(.); comb = exp(c - max) / sum over its last dim + eps
     (the kernel's softmax: exp of the max-shifted value divided by the row sum, which torch.softmax
     rounds differently in about 60% of the entries), then column-normalised, then iters-1 rounds of
-    row- then column-normalisation, all fp32 (reference/deepseek_v4_arch.md section 2,
-    hc_split_sinkhorn; official kernel.py hc_split_sinkhorn_kernel).
+    row- then column-normalisation, all fp32 (deepseek-ai/DeepSeek-V4.1-Flash:inference/kernel.py
+    hc_split_sinkhorn_kernel).
     """
     pre = row_sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * row_sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])

@@ -3,8 +3,8 @@ graphs that `torch.export` traces per bucket are this one implementation.
 
 Numerics follow the official inference code, deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py
 (revision dba1be0a, cited below as `model.py <Class.method>`), with its kernels (act_quant,
-fp4_act_quant, fp8_gemm/fp4_gemm, sparse_attn, hc_split_sinkhorn) as summarised in
-reference/deepseek_v4_arch.md sections 2 and 7. The numerics switches, the roundings that differ
+fp4_act_quant, fp8_gemm/fp4_gemm, sparse_attn, hc_split_sinkhorn) in the same repository's
+inference/kernel.py. The numerics switches, the roundings that differ
 from the reference on purpose and the size-independent element-wise ops are in graphs/numerics.py,
 the choice between reference expressions and the cpu kernels in graphs/dispatch.py, RoPE in
 graphs/rope.py, mHC in graphs/mhc.py. Where this module's structure differs on purpose it says so:

@@ -10,7 +10,7 @@ positions pos[b] .. pos[b] + valid_len[b] - 1 (any pos; right padding after), an
 and extends the window ring, the compressed KV, the compressor's pending partial group, the indexer
 keys and the candidate blocks exactly as that many decode steps in order would. The official
 reference has no chunked prefill (prefill only at start_pos 0, decode one token at a time:
-reference/deepseek_v4_arch.md section 3), so a chunk's numerics are the reference's decode
+deepseek-ai/DeepSeek-V4.1-Flash:inference/generate.py), so a chunk's numerics are the reference's decode
 composed: each query attends over decode's index list at its position (the window W wide, oldest
 first, then the compressed top-k over the whole cache), and its compressed groups pool the slots
 decode would hold. With the golden's exact GEMMs a chunk is bit-identical to its decode steps

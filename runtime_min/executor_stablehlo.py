@@ -7,7 +7,7 @@ their decompositions (the kernels' torch references), so what runs here is the m
 would hand to neuronx-cc minus the kernel binding; nothing of Trainium's arithmetic.
 
 Why XLA's CPU client rather than IREE: it compiled every micro bucket where IREE 3.13's llvm-cpu
-backend stopped at the sort of topk's int64 indices (reference/neuron_toolchain.md section 8), in
+backend stopped at the sort of topk's int64 indices (docs/neuron.md), in
 about a third of IREE's time, and it reads the portable artifacts directly (jaxlib's PJRT CPU
 client deserializes the VHLO bytecode). jax/jaxlib come with the `test` extra; without them this
 executor raises BundleError naming the packages.

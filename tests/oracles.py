@@ -2,9 +2,8 @@
 
 Written independently of dsneuron.kernels_nki: NumPy float64 (or float32 where a test needs the
 kernel's own rounding points), ml_dtypes for fp8/bf16 bit patterns, and hand-written tables for e2m1
-and UE8M0. Nothing here imports the package. Sources of the rules: reference/kernel_numerics.md
-(A.2 FlashMLA reference, A.6 comparator, A.8 online pseudocode, B.5 FP4/UE8M0 packing, B.6 DeepGEMM
-calc_diff) and the V4.1 Indexer.forward expression (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py).
+and UE8M0. Nothing here imports the package. Sources of the rules: deepseek-ai/FlashMLA's test reference
+and comparator (tests/), deepseek-ai/DeepGEMM's FP4/UE8M0 packing and calc_diff, and the V4.1 Indexer.forward expression (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py).
 """
 
 from __future__ import annotations
