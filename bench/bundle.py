@@ -130,7 +130,7 @@ def _measure_compile(args: dict) -> dict:
 
 def stage_read_bytes(bucket: Any, weights: dict[str, Any], model: dict[str, Any]) -> dict[str, int]:
     """Weight bytes each stage of a decode `bucket` reads for one row, by stage name: its tensors as
-    the executables take them (runtime_min/schema.py `Prepare`: checkpoint bytes, the scales
+    the executables take them (kernels_nki/prepare.py `Prepare`: checkpoint bytes, the scales
     widened to fp32), of the stacked routed experts the share n_activated / n_routed, of the
     embedding one row, of an engram table the rows of its hash columns."""
     share = model["n_activated_experts"] / model["n_routed_experts"]
@@ -309,7 +309,8 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.default_prompts import default_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
-    from dsneuron.compiler.plan import Parallel, count_flops
+    from dsneuron.compiler.placement import Parallel
+    from dsneuron.compiler.plan import count_flops
     from dsneuron.graphs.tokenizer import load_tokenizer
 
     model_cfg, compile_cfg, raw = load_config(config)

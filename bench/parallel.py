@@ -41,7 +41,7 @@ def run(config: str, tp: int, ep: int, n_decode: int) -> dict:
     from dsneuron.compiler.default_prompts import default_prompts
     from dsneuron.compiler.model_steps import checkpoint_for
     from dsneuron.compiler.parallel import run_sharded
-    from dsneuron.compiler.plan import Parallel
+    from dsneuron.compiler.placement import Parallel
     from dsneuron.graphs.tokenizer import load_tokenizer
 
     cfg, ccfg, _ = load_config(config)

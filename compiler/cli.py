@@ -211,7 +211,7 @@ def compile_cmd(
 def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, stablehlo_only: bool):
     """The Parallel plan of compile's --tp/--ep, None for one process; UserError for flags that do not
     go together (the model's limits are checked once it is known: parallel.py check_shardable)."""
-    from dsneuron.compiler.plan import Parallel
+    from dsneuron.compiler.placement import Parallel
 
     if tp < 1:
         raise UserError(f"--tp must be a positive integer (the ranks of a sharded bundle), got {tp}")

@@ -22,7 +22,8 @@ from torch.fx.experimental import _config as fx_config
 from torch.overrides import TorchFunctionMode
 
 from dsneuron.kernels_nki.formats import neuron_spelling as _neuron_spelling
-from dsneuron.runtime_min.schema import Prepare, TensorSpec, dtype_name
+from dsneuron.kernels_nki.prepare import Prepare
+from dsneuron.runtime_min.schema import TensorSpec, dtype_name
 
 #: dtypes a float8-free graph (the neuron lowering, `export_step(neuron_spelling=True)`) may not hold
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
@@ -272,7 +273,7 @@ class ModelParts:
     stored_dtypes: {weight name: dtype} to store narrower than the model holds it (a bf16 checkpoint
         tensor promoted to fp32 at load, graphs.weights.load_casts); the cast back must be exact,
         and the runtime re-applies the promotion (Manifest.load_casts).
-    prepare: load-time recipes (runtime_min/schema.py `Prepare`): their inputs are stored in the
+    prepare: load-time recipes (kernels_nki/prepare.py `Prepare`): their inputs are stored in the
         bundle, their outputs (also in `weights`) are what the executables take and are not stored.
     sources: {weight name: weight source (graphs/lazy.py)}: where the stored bytes of a weight come
         from when they are not to be read from its tensor in `weights` (which may then be a

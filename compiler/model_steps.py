@@ -23,15 +23,15 @@ from dsneuron.graphs.lazy import Computed, placeholder
 from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
-from dsneuron.runtime_min.bundle import prepared_specs
-from dsneuron.runtime_min.schema import PROBE_PREFIX, Prepare, engram_columns
+from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
+from dsneuron.runtime_min.schema import PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
 from .config import CompileConfig
 from .export import CompileError, ModelParts, StageGraph, StepGraph
 from .parallel import Comm, check_shardable, shard_model
-from .plan import Parallel
+from .placement import Parallel
 
 
 class GraphsStepFactory:
@@ -221,7 +221,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
 
 def _prepared_placeholders(recipes: list[Prepare], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{output name: placeholder} for every recipe output, with the shape and dtype the recipe
-    makes (runtime_min prepared_specs: from the shapes and dtypes alone, nothing read or computed;
+    makes (kernels_nki/prepare.py prepared_specs: from the shapes and dtypes alone, nothing read or computed;
     a pass over fake tensors would import torch._dynamo, 1-2 s that a compile whose buckets all
     come from the cache has no other use for). Raises BundleError for a recipe that does not fit
     its weights."""

@@ -2,7 +2,7 @@
 
 `shard_model(model, par, rank, comm)` cuts a full `graphs.model.Transformer` down, in place, to what
 rank `rank` of a tensor-parallel world of `par.tp` processes holds under the parallel rule
-(compiler/plan.py `placement`, written once and shared with `dsneuron plan`):
+(compiler/placement.py `placement`, written once and shared with `dsneuron plan`):
 
 | placement | tensors | what a rank holds | collective |
 |---|---|---|---|
@@ -58,7 +58,7 @@ from dsneuron.graphs.model import Linear, Transformer
 from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
 from dsneuron.runtime_min.sharded import free_port
 
-from .plan import EXPERTS, TP, VOCAB, Instance, Parallel, vocab_rows, check_parallel, placement
+from .placement import EXPERTS, TP, VOCAB, Instance, Parallel, check_parallel, placement, vocab_rows
 
 BLOCK = 32
 

@@ -28,7 +28,7 @@ from .compile import compile_bundle
 from .config import CompileConfig
 from .model_steps import build_model_parts
 from .parallel import check_shardable
-from .plan import Parallel
+from .placement import Parallel
 
 
 def compile_sharded_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path, par: Parallel, *,

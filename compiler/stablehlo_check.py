@@ -101,7 +101,7 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
     """Data (and state) inputs of bucket `pb` that exercise it: random tokens; prefill rows of
     lengths seq_len, seq_len-3, ...; a decode step after an eager prefill of prefill_len tokens per
     row (its state from that prefill, without the probe outputs of a probe build; the token at
-    position prefill_len). Engram ids from `hasher` (runtime_min.engram_hash.NgramHasher, None
+    position prefill_len). Engram ids from `hasher` (kernels_nki.engram_hash.NgramHasher, None
     without engram layers)."""
     g = torch.Generator().manual_seed(seed)
     B = pb.batch
@@ -163,7 +163,7 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     compare every output with the eager step on the same inputs. parts: compiler/compile.py
     ModelParts built for target "neuron". Raises CompileError (or BundleError without jax) as the
     stages it runs."""
-    from dsneuron.runtime_min.engram_hash import NgramHasher
+    from dsneuron.kernels_nki.engram_hash import NgramHasher
 
     from .backend_neuron import NeuronBackend
     from .compile import export_bucket

@@ -4,7 +4,7 @@ Follows deepseek-ai/DeepSeek-V4.1-Flash:inference/engram.py (`find_next_prime`,
 `build_compressed_token_map`, `compute_hash_multipliers`, `EngramLayout.from_args`,
 `NgramHashState.__init__`). Everything the host-side hash needs is derived here from the config and
 the tokenizer and handed out as plain data (`EngramParams.to_dict()`), which the bundle manifest
-carries to `dsneuron.runtime_min.engram_hash.NgramHasher`.
+carries to `dsneuron.kernels_nki.engram_hash.NgramHasher`.
 
 - Layout: each engram layer hashes every position into (max_ngram_size - 1) n-gram sizes x n_heads
   heads; each (n-gram size, head) owns a prime-sized range of the layer's table. The primes are the
@@ -206,7 +206,7 @@ class EngramParams:
     that fills look-back slots before a sequence start (token_map[engram_pad_id]); token_map
     [vocab_size]: model id -> compressed id; multipliers [n_layers][max_ngram_size] (odd int64);
     primes [n_layers][max_ngram_size - 1][n_heads]; offsets [n_layers][(max_ngram_size - 1) * n_heads];
-    num_embeddings [n_layers] (table rows). Consumed by dsneuron.runtime_min.engram_hash.NgramHasher.
+    num_embeddings [n_layers] (table rows). Consumed by dsneuron.kernels_nki.engram_hash.NgramHasher.
     """
 
     layer_ids: list[int]

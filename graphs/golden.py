@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from dsneuron.runtime_min.engram_hash import NgramHasher
+from dsneuron.kernels_nki.engram_hash import NgramHasher
 
 from .checkpoint import load_checkpoint
 from .config import ModelConfig
@@ -75,7 +75,7 @@ class Golden:
         checkpoint-format values. Idempotent; builds the kernels on first use."""
         if self._kernel_weights:
             return
-        from dsneuron.runtime_min.bundle import prepare_tensors
+        from dsneuron.kernels_nki.prepare import prepare_tensors
 
         from .kernel_weights import attach_kernel_weights, kernel_recipes
 

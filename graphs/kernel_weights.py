@@ -2,7 +2,7 @@
 
 kernels_nki/cpu_gemm.py computes every GEMM of the compiled cpu steps from weights repacked into
 panels of 16 output rows (`prepare_weight`): same bytes as the checkpoint, scales decoded to fp32.
-The bundle stores the checkpoint tensors and a list of recipes (runtime_min/schema.py `Prepare`);
+The bundle stores the checkpoint tensors and a list of recipes (kernels_nki/prepare.py `Prepare`);
 the runtime applies them once at load, and the executables take the prepared tensors. This module
 lists the recipes of a model and attaches the prepared tensors to it as buffers, where the
 model's "kernel" GEMM paths read them (graphs/model.py, through graphs/dispatch.py):
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsneuron.runtime_min.schema import Prepare
+from dsneuron.kernels_nki.prepare import Prepare
 
 from .model import Attention, Block, Gate, Linear, MoE, Transformer
 

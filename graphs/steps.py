@@ -15,7 +15,7 @@ composed: each query attends over decode's index list at its position (the windo
 first, then the compressed top-k over the whole cache), and its compressed groups pool the slots
 decode would hold. With the golden's exact GEMMs a chunk is bit-identical to its decode steps
 (tests/test_chunked_prefill.py). Logits are those of each row's last valid token. Engram hash ids
-are computed on the host (`dsneuron.runtime_min.engram_hash`); E = 0 for models without engram.
+are computed on the host (`dsneuron.kernels_nki.engram_hash`); E = 0 for models without engram.
 
 State layout (`state_layout`), all sized by batch B and context capacity M = max_seq_len:
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import platform
 import re
 from dataclasses import dataclass
@@ -44,7 +43,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .schema import MANIFEST, PARALLEL, BundleError, Manifest, Prepare, parse_dtype, shard_record
+from dsneuron.kernels_nki.prepare import prepare_tensors
+
+from .schema import MANIFEST, PARALLEL, BundleError, Manifest, parse_dtype, shard_record
 
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
 # of these names are placeholders). Compiling NEFFs runs neuronx-cc (neuronxcc) on the StableHLO that
@@ -217,7 +218,10 @@ class Bundle:
             for rel in dict.fromkeys(where[n] for n in (*p.weights, *p.scales)):
                 with safe_open(str(self.root / rel), framework="pt") as f:
                     stored.update({n: self._loaded(f, n) for n in (*p.weights, *p.scales) if where[n] == rel})
-            weights.update(prepare_tensors(p, stored))
+            try:
+                weights.update(prepare_tensors(p, stored))
+            except ValueError as e:
+                raise BundleError(f"manifest {e}") from None
             del stored
         for b in m.buckets:
             for file, names_in in ((b.file, b.weights), *((st.file, st.weights) for st in b.stages)):
@@ -242,60 +246,6 @@ class Bundle:
         if not files or Path(files[0]).name != "tokenizer.json":
             raise BundleError(f"{MANIFEST}: tokenizer.files must start with a tokenizer.json (got {list(files)})")
         return self.root / files[0]
-
-
-def prepare_tensors(p: Prepare, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The two tensors a `Prepare` recipe makes from `tensors` (schema.py), in the cpu kernels'
-    layout (kernels_nki.cpu_gemm.prepare_weight; importing it builds the kernels on first use).
-    Raises BundleError when the recipe does not fit its tensors."""
-    from dsneuron.kernels_nki import cpu_gemm
-
-    ws = [tensors[n] for n in p.weights]
-    ss = [tensors[n] for n in p.scales]
-    w = torch.stack(ws) if len(ws) > 1 else ws[0]
-    scale = (torch.stack(ss) if len(ss) > 1 else ss[0]) if ss else None
-    if p.groups:
-        w = w.view(p.groups, -1, w.shape[-1])
-    try:
-        out = cpu_gemm.prepare_weight(p.fmt, w, scale)
-    except (ValueError, RuntimeError) as e:
-        raise BundleError(f"manifest prepare of {p.weights[0]}: {e}") from None
-    return {p.outputs[0]: out["w"], p.outputs[1]: out["w_scale"]}
-
-
-def prepared_specs(p: Prepare, tensors: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{output name: (shape, dtype)} of what `prepare_tensors(p, tensors)` makes, from the .shape
-    and .dtype of the tensors alone (kernels_nki.cpu_gemm.prepared_specs): nothing is read or run.
-    Raises BundleError when the recipe does not fit its tensors (prepare_tensors would fail)."""
-    from dsneuron.kernels_nki import cpu_gemm
-
-    def stacked(names: tuple[str, ...]) -> Any:
-        specs = {(tuple(tensors[n].shape), tensors[n].dtype) for n in names}
-        if len(specs) > 1:
-            raise BundleError(f"manifest prepare of {p.weights[0]}: {list(names)} differ in shape or dtype")
-        shape, dtype = specs.pop()
-        return _Spec((len(names), *shape) if len(names) > 1 else shape, dtype)
-
-    w = stacked(p.weights)
-    scale = stacked(p.scales) if p.scales else None
-    if p.groups:
-        rows = math.prod(w.shape[:-1])
-        if rows % p.groups:
-            raise BundleError(f"manifest prepare of {p.weights[0]}: {rows} rows do not split into {p.groups} groups")
-        w = _Spec((p.groups, rows // p.groups, w.shape[-1]), w.dtype)
-    try:
-        out = cpu_gemm.prepared_specs(p.fmt, w, scale)
-    except ValueError as e:
-        raise BundleError(f"manifest prepare of {p.weights[0]}: {e}") from None
-    return {p.outputs[0]: out["w"], p.outputs[1]: out["w_scale"]}
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """A tensor's shape and dtype, for `prepared_specs`."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def read_manifest(root: Path) -> Manifest:

@@ -78,7 +78,7 @@ class State:
     """The state of B rows between calls. tensors: {manifest state name: [B, ...]} in the state's
     dtype, the capacity-dependent dimension at some bucket's capacity (a name left out starts as its
     fill value at the next call); history: the engram hasher's history int64 [B, H] (H =
-    max_ngram_size - 1; runtime_min/engram_hash.py), None when the bundle hashes no engram ids."""
+    max_ngram_size - 1; kernels_nki/engram_hash.py), None when the bundle hashes no engram ids."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     history: torch.Tensor | None = None
@@ -153,7 +153,7 @@ def resize_state(t: torch.Tensor, spec: TensorSpec, fill: float) -> torch.Tensor
 
 def make_engram_hasher(params: dict):
     """The host-side n-gram hasher for the manifest's engram parameters."""
-    from .engram_hash import NgramHasher
+    from dsneuron.kernels_nki.engram_hash import NgramHasher
 
     try:
         return NgramHasher(params)

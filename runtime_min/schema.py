@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from dsneuron import UserError
+from dsneuron.kernels_nki.prepare import PREPARE_FORMATS, Prepare
 
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
@@ -205,44 +206,23 @@ class StateEntry:
         return entry
 
 
-@dataclass(frozen=True)
-class Prepare:
-    """One load-time recipe (schema version 2): the weight tensors `weights` (stacked along a new
-    first dimension when several, or a single weight [groups * r, K] viewed as [groups, r, K] when
-    groups > 0) and their UE8M0 `scales`, in cpu kernel format `fmt` (fp8, fp4, bf16, fp32), become
-    the two tensors named `outputs` = (panels, panel scales) of kernels_nki.cpu_gemm.prepare_weight.
-    The weights file holds the checkpoint tensors; the executables take the outputs."""
-
-    fmt: str
-    weights: tuple[str, ...]
-    scales: tuple[str, ...]
-    groups: int
-    outputs: tuple[str, str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fmt": self.fmt, "weights": list(self.weights), "scales": list(self.scales), "groups": self.groups,
-                "outputs": list(self.outputs)}
-
-    @classmethod
-    def from_dict(cls, raw: Any, where: str) -> "Prepare":
-        r = _obj(raw, where)
-        fmt = _get_choice(r, "fmt", PREPARE_FORMATS, where)
-        names = {}
-        for key in ("weights", "scales", "outputs"):
-            value = _get(r, key, list, where)
-            if not all(isinstance(v, str) for v in value):
-                raise BundleError(f"manifest {where}.{key}: expected a list of tensor names")
-            names[key] = tuple(value)
-        if not names["weights"] or len(names["outputs"]) != 2:
-            raise BundleError(f"manifest {where}: needs at least one weight and exactly two outputs")
-        groups = _get(r, "groups", int, where)
-        if groups < 0:
-            raise BundleError(f"manifest {where}.groups: must be >= 0 (got {groups})")
-        return cls(fmt, names["weights"], names["scales"], groups, names["outputs"])
-
-
-#: the cpu kernel formats of a `Prepare` recipe (kernels_nki.cpu_gemm.FORMATS)
-PREPARE_FORMATS = ("fp8", "fp4", "bf16", "fp32")
+def _prepare_from_dict(raw: Any, where: str) -> Prepare:
+    """A manifest `prepare` record (kernels_nki/prepare.py `Prepare.to_dict`) -> the recipe;
+    BundleError naming `where` and the key when it is malformed."""
+    r = _obj(raw, where)
+    fmt = _get_choice(r, "fmt", PREPARE_FORMATS, where)
+    names = {}
+    for key in ("weights", "scales", "outputs"):
+        value = _get(r, key, list, where)
+        if not all(isinstance(v, str) for v in value):
+            raise BundleError(f"manifest {where}.{key}: expected a list of tensor names")
+        names[key] = tuple(value)
+    if not names["weights"] or len(names["outputs"]) != 2:
+        raise BundleError(f"manifest {where}: needs at least one weight and exactly two outputs")
+    groups = _get(r, "groups", int, where)
+    if groups < 0:
+        raise BundleError(f"manifest {where}.groups: must be >= 0 (got {groups})")
+    return Prepare(fmt, names["weights"], names["scales"], groups, names["outputs"])
 
 
 @dataclass(frozen=True)
@@ -528,7 +508,7 @@ class Manifest:
             created_by=_get(r, "created_by", str, ""),
             load_casts=_dtype_map(_get(r, "load_casts", dict, ""), "load_casts"),
             weight_views=_dtype_map(_get(r, "weight_views", dict, ""), "weight_views"),
-            prepare=tuple(Prepare.from_dict(x, f"prepare[{i}]") for i, x in enumerate(r.get("prepare", []))),
+            prepare=tuple(_prepare_from_dict(x, f"prepare[{i}]") for i, x in enumerate(r.get("prepare", []))),
             weight_files=_weight_files(r.get("weight_files", [])),
             numerics=r.get("numerics", "exact"),
         )
@@ -746,7 +726,7 @@ def rank_dir(rank: int, world: int) -> str:
 
 @dataclass(frozen=True)
 class ShardedManifest:
-    """parallel.json of a sharded bundle: the parallel plan (compiler/plan.py Parallel: tp ranks =
+    """parallel.json of a sharded bundle: the parallel plan (compiler/placement.py Parallel: tp ranks =
     the world size, ep expert-parallel groups) and, per rank in rank order, the sha256 of its
     bundle's manifest.json file, so that a rank folder swapped for another compile's is refused
     before any rank starts. Each rank bundle's manifest records the same plan and its rank in

@@ -37,7 +37,7 @@ from dsneuron.compiler.config import CompileConfig, load_config
 from dsneuron.compiler.export import StepGraph
 from dsneuron.graphs.config import ModelConfig
 from dsneuron.kernels_nki.formats import ue8m0_to_float
-from dsneuron.runtime_min.engram_hash import NgramHasher
+from dsneuron.kernels_nki.engram_hash import NgramHasher
 
 _GAIN = 0.5
 _WINDOW_MIX = 0.1

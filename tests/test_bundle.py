@@ -686,7 +686,7 @@ def test_prepared_specs_are_what_prepare_tensors_makes(micro_cfg, micro_checkpoi
     from dsneuron.graphs.kernel_weights import kernel_recipes
     from dsneuron.graphs.model import Transformer
     from dsneuron.graphs.weights import model_weights
-    from dsneuron.runtime_min.bundle import prepare_tensors, prepared_specs
+    from dsneuron.kernels_nki.prepare import prepare_tensors, prepared_specs
 
     rows = engram_layout(micro_cfg).num_embeddings
     weights = model_weights(ck.load_checkpoint(micro_checkpoint, micro_cfg, rows), micro_cfg)
@@ -699,8 +699,7 @@ def test_prepared_specs_are_what_prepare_tensors_makes(micro_cfg, micro_checkpoi
 
 
 def test_prepared_specs_refuse_what_prepare_tensors_cannot_make():
-    from dsneuron.runtime_min.bundle import prepared_specs
-    from dsneuron.runtime_min.schema import Prepare
+    from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
 
     t = {"a": torch.zeros(4, 64, dtype=torch.bfloat16), "b": torch.zeros(5, 64, dtype=torch.bfloat16),
          "s": torch.zeros(4, 2, dtype=torch.uint8)}
@@ -708,5 +707,5 @@ def test_prepared_specs_refuse_what_prepare_tensors_cannot_make():
                             ("do not split into 3 groups", Prepare("bf16", ("a",), (), 3, ("w", "ws"))),
                             ("takes no scale", Prepare("bf16", ("a",), ("s",), 0, ("w", "ws"))),
                             ("weight must be one of", Prepare("fp8", ("a",), ("s",), 0, ("w", "ws")))]:
-        with pytest.raises(BundleError, match=message):
+        with pytest.raises(ValueError, match=message):
             prepared_specs(recipe, t)

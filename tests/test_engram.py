@@ -1,5 +1,5 @@
 """Engram hashing parameters (graphs/engram.py, graphs/tokenizer.py) and the host-side hasher
-(runtime_min/engram_hash.py), against independent oracles: trial division, a restart-and-skip prime
+(kernels_nki/engram_hash.py), against independent oracles: trial division, a restart-and-skip prime
 search written as the reference does it, the V4.1 release config values, a unicodedata-based token
 normaliser and a per-position Python-int hash."""
 
@@ -22,7 +22,7 @@ from dsneuron.graphs.config import ConfigError
 from dsneuron.graphs.engram import (EngramParams, _layout, compressed_token_map, engram_layout, engram_params,
                                     hash_multipliers, is_prime)
 from dsneuron.graphs.tokenizer import TokenizerError, load_tokenizer, tokenizer_files
-from dsneuron.runtime_min.engram_hash import NgramHasher
+from dsneuron.kernels_nki.engram_hash import NgramHasher
 
 # DeepSeek-V4.1-Flash release config (docs/architecture.md "Tokenizer and configs")
 V41_ENGRAM = dict(layer_ids=(1, 14), max_ngram=4, n_heads=8, head_dim=256, vocab=16_000_000)
@@ -344,7 +344,7 @@ def test_hasher_rejects_bad_params(params):
 
 
 def test_runtime_hasher_does_not_import_graphs():
-    code = ("import sys, dsneuron.runtime_min.engram_hash; "
+    code = ("import sys, dsneuron.kernels_nki.engram_hash; "
             "bad = [m for m in sys.modules if m.startswith(('dsneuron.graphs', 'dsneuron.compiler'))]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

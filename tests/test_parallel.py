@@ -12,7 +12,7 @@ import torch
 from dsneuron import UserError
 from dsneuron.compiler.config import load_config
 from dsneuron.compiler.parallel import Comm, check_shardable, held_bytes, run_sharded, shard_model
-from dsneuron.compiler.plan import EXPERTS, TP, VOCAB, Parallel, placement
+from dsneuron.compiler.placement import EXPERTS, TP, VOCAB, Parallel, placement
 from dsneuron.graphs.golden import Golden
 
 
@@ -23,7 +23,7 @@ def _numels(model) -> dict[str, int]:
 def test_a_shard_holds_what_the_plans_placement_says(micro_cfg, micro_checkpoint):
     """Tensor by tensor, rank r of TP=2 / EP=2 keeps: all of a replicated (or host) tensor, half of
     a TP one, all or nothing of an expert (its EP group's experts), and its vocabulary rows of the
-    embedding and head, as compiler/plan.py `placement` (which `dsneuron plan` counts) says."""
+    embedding and head, as compiler/placement.py `placement` (which `dsneuron plan` counts) says."""
     max_len = load_config("micro")[1].max_seq_len
     par = Parallel(2, 2)
     per = -(-micro_cfg.vocab_size // 2)

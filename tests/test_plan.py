@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from stand_in import run_cli
+from dsneuron.compiler import placement as PL
 from dsneuron.compiler import plan as P
 from dsneuron.compiler.buckets import PlannedBucket
 from dsneuron.compiler.config import CompileConfig, load_config
@@ -55,18 +56,18 @@ def test_weight_split_sums_back_to_one_rank(name, tp, ep):
     every rank, and one rank holds every checkpoint byte that is neither on the host nor DSpark."""
     cfg = load_config(name)[0]
     spec = _spec(cfg)
-    one = P.weight_bytes(cfg, P.Parallel(1, 1), spec)[0]
-    assert sum(one.values()) == sum(P._nbytes(s) for s in spec.values())
-    assert one[P.UNUSED] == sum(P._nbytes(s) for n, s in spec.items() if n.startswith("mtp."))
-    assert one[P.HOST] == sum(P._nbytes(s) for n, s in spec.items() if ".engram.embed." in n)
-    many = P.weight_bytes(cfg, P.Parallel(tp, ep), spec)
+    one = PL.weight_bytes(cfg, PL.Parallel(1, 1), spec)[0]
+    assert sum(one.values()) == sum(PL.spec_bytes(s) for s in spec.values())
+    assert one[PL.UNUSED] == sum(PL.spec_bytes(s) for n, s in spec.items() if n.startswith("mtp."))
+    assert one[PL.HOST] == sum(PL.spec_bytes(s) for n, s in spec.items() if ".engram.embed." in n)
+    many = PL.weight_bytes(cfg, PL.Parallel(tp, ep), spec)
     assert len(many) == tp
-    split = sum(r[P.TP] + r[P.VOCAB] + r[P.EXPERTS] for r in many)
+    split = sum(r[PL.TP] + r[PL.VOCAB] + r[PL.EXPERTS] for r in many)
     # what moved to replication (the shared expert, engram.wkv when they do not split) is counted once
-    moved = many[0][P.REPLICATED] - one[P.REPLICATED]
-    assert split + moved == one[P.TP] + one[P.VOCAB] + one[P.EXPERTS]
-    assert all(r[P.REPLICATED] == many[0][P.REPLICATED] for r in many)
-    assert sum(r[P.EXPERTS] for r in many) == one[P.EXPERTS]
+    moved = many[0][PL.REPLICATED] - one[PL.REPLICATED]
+    assert split + moved == one[PL.TP] + one[PL.VOCAB] + one[PL.EXPERTS]
+    assert all(r[PL.REPLICATED] == many[0][PL.REPLICATED] for r in many)
+    assert sum(r[PL.EXPERTS] for r in many) == one[PL.EXPERTS]
 
 
 def test_v41_flash_weights_per_rank_at_tp64():
@@ -74,13 +75,13 @@ def test_v41_flash_weights_per_rank_at_tp64():
     replicated (2304 / 64 = 36 is not a whole number of 32-blocks), 6 experts per rank."""
     cfg = load_config("v4.1-flash")[0]
     spec = _spec(cfg)
-    par = P.Parallel(64, 64)
-    ranks = P.weight_bytes(cfg, par, spec)
+    par = PL.Parallel(64, 64)
+    ranks = PL.weight_bytes(cfg, par, spec)
     assert len({tuple(r.values()) for r in ranks}) == 1
-    assert P.placement(cfg, par, "layers.5.ffn.shared_experts.w1.weight") == P.REPLICATED
-    expert = sum(P._nbytes(s) for n, s in spec.items() if n.startswith("layers.0.ffn.experts.0."))
-    assert ranks[0][P.EXPERTS] == 6 * 40 * expert
-    assert P._expert_owner(cfg, par, "layers.0.ffn.experts.383.w1.weight") == (63,)
+    assert PL.placement(cfg, par, "layers.5.ffn.shared_experts.w1.weight") == PL.REPLICATED
+    expert = sum(PL.spec_bytes(s) for n, s in spec.items() if n.startswith("layers.0.ffn.experts.0."))
+    assert ranks[0][PL.EXPERTS] == 6 * 40 * expert
+    assert PL._expert_owner(cfg, par, "layers.0.ffn.experts.383.w1.weight") == (63,)
 
 
 def test_state_bytes_are_the_real_init_state_tensors():
@@ -142,14 +143,14 @@ def _real_step_flops(cfg, bucket: PlannedBucket) -> int:
 def test_decode_flops_match_a_real_count_and_split_over_ranks():
     cfg = load_config("micro")[0]
     b = PlannedBucket("decode", 1, 1, 64)
-    flops, by_where = P.count_flops(cfg, P.Parallel(1, 1), 64, b)
+    flops, by_where = P.count_flops(cfg, PL.Parallel(1, 1), 64, b)
     assert flops == [_real_step_flops(cfg, b)]
     # micro's shared expert (128) and engram.wkv (128 inputs) split at tp 4 as at tp 1: same placements
-    par = P.Parallel(4, 2)
-    assert all(P.placement(cfg, par, n) == P.placement(cfg, P.Parallel(1, 1), n) for n in _spec(cfg) if "experts" not in n)
+    par = PL.Parallel(4, 2)
+    assert all(PL.placement(cfg, par, n) == PL.placement(cfg, PL.Parallel(1, 1), n) for n in _spec(cfg) if "experts" not in n)
     split = P.flops_per_rank(cfg, par, by_where)
-    assert math.isclose(sum(split), flops[0] + (par.world - 1) * by_where[P.REPLICATED])
-    assert split[0] == split[3] and by_where[P.TP] > 0 and by_where[P.EXPERTS] > 0
+    assert math.isclose(sum(split), flops[0] + (par.world - 1) * by_where[PL.REPLICATED])
+    assert split[0] == split[3] and by_where[PL.TP] > 0 and by_where[PL.EXPERTS] > 0
 
 
 @pytest.mark.slow
@@ -157,7 +158,7 @@ def test_prefill_flops_match_a_real_routed_count():
     for name, s in (("micro", 32), ("tiny", 128)):
         cfg = load_config(name)[0]
         b = PlannedBucket("prefill", 1, s, 128 if name == "tiny" else 64)
-        assert P.count_flops(cfg, P.Parallel(1, 1), b.capacity, b)[0] == [_real_step_flops(cfg, b)], name
+        assert P.count_flops(cfg, PL.Parallel(1, 1), b.capacity, b)[0] == [_real_step_flops(cfg, b)], name
 
 
 # ------------------------------------------------------------------------------- refused inputs
@@ -189,8 +190,8 @@ def test_cpu_target_counts_the_engram_tables_in_its_memory(monkeypatch, capsys):
     err = " ".join(capsys.readouterr().err.split())
     need = float(err.split("needs at least ")[1].split(" GiB")[0])
     model = load_config("v4.1-flash")[0]
-    w = P.weight_bytes(model, P.Parallel(1, 1), _spec(model))[0]
-    assert w[P.HOST] / 2**30 > 180 and need >= (P.device_bytes(w) + w[P.HOST]) / 2**30 - 0.01, err
+    w = PL.weight_bytes(model, PL.Parallel(1, 1), _spec(model))[0]
+    assert w[PL.HOST] / 2**30 > 180 and need >= (PL.device_bytes(w) + w[PL.HOST]) / 2**30 - 0.01, err
     assert "the cpu target is this one host" in err and "--tp" not in err.split("GiB;")[-1], err
 
 
@@ -223,11 +224,11 @@ def test_plan_command_prints_the_table_and_writes_json(monkeypatch, capsys, tmp_
     data = json.loads(out.read_text())
     assert data["fits"] and data["parallel"] == {"tp": 4, "ep": 2, "moe_tp": 2, "world": 4}
     spec = _spec(model)
-    par = P.Parallel(4, 2)
-    assert data["weights_per_rank"] == P.weight_bytes(model, par, spec)
+    par = PL.Parallel(4, 2)
+    assert data["weights_per_rank"] == PL.weight_bytes(model, par, spec)
     dec = data["buckets"][1]
     assert dec["state"] == P.state_bytes(model, 1, 64) and dec["activation"] > dec["activation_weight_copies"] > 0
-    assert math.isclose(sum(dec["flops_by_placement"].values()), P.count_flops(model, P.Parallel(1, 1), 64, PlannedBucket("decode", 1, 1, 64))[0][0])
+    assert math.isclose(sum(dec["flops_by_placement"].values()), P.count_flops(model, PL.Parallel(1, 1), 64, PlannedBucket("decode", 1, 1, 64))[0][0])
     assert dec["need"][0] == dec["weights"][0] + dec["state"] + dec["activation"]
     assert set(data["stage_kinds"]) >= {attn_kind(model, L) for L in range(model.n_layers)}
     assert data["decode_read"]["total"] > 0 and data["roofline_s_per_token"] > 0
@@ -302,7 +303,7 @@ def test_cpu_bandwidth_is_measured_without_the_flag(monkeypatch):
     real = host_limits.stream_gbs(1)
     assert math.isfinite(real) and real > 0
     monkeypatch.setattr(host_limits, "stream_gbs", lambda runs: 12.5)
-    inst = P.resolve_instance("cpu", None)
+    inst = PL.resolve_instance("cpu", None)
     assert inst.bw_per_rank == 12.5e9 and "read bandwidth 12.5 GB/s measured" in inst.note, inst.note
 
 

@@ -466,7 +466,7 @@ def test_serve_refuses_a_missing_bundle(tmp_path):
 def test_a_sharded_bundle_serves_through_rank_0(micro_bundle, tmp_path):
     """TP=2 / EP=2 of the micro bundle served: rank 0 answers, rank 1 follows its steps; the text
     is the one-process bundle's, and SIGTERM ends both ranks with exit 0."""
-    from dsneuron.compiler.plan import Parallel
+    from dsneuron.compiler.placement import Parallel
     from dsneuron.compiler.sharded_bundle import compile_sharded_bundle
 
     out = tmp_path / "sharded"

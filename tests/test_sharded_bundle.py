@@ -140,7 +140,7 @@ def test_a_two_rank_bundle_generates_the_one_process_text(micro_bundle, monkeypa
     sharded bundle (two spawned gloo ranks) prints the one-process bundle's greedy completion of
     the shipped short prompt and of another."""
     from dsneuron.compiler.default_prompts import default_prompts
-    from dsneuron.compiler.plan import Parallel
+    from dsneuron.compiler.placement import Parallel
     from dsneuron.compiler.sharded_bundle import compile_sharded_bundle
 
     out = tmp_path / "sharded"

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from dsneuron.compiler import placement as PL
 from dsneuron.compiler import plan as P
 from dsneuron.compiler.config import load_config
 from dsneuron.graphs.stages import attn_kind
@@ -129,7 +130,7 @@ def test_plan_decode_bytes_equal_the_checkpoint_headers(slice_bundle):
     _, cache = slice_bundle
     model, comp, _ = load_config("v4.1-flash-slice")
     spec = checkpoint_spec(model, engram_layout(model).num_embeddings)
-    read = P.decode_read(model, P.Parallel(1, 1), spec)
+    read = P.decode_read(model, PL.Parallel(1, 1), spec)
     measured = decode_bytes(checkpoint_for(model, comp, cache), model.to_dict())
     n_expert_tensors = sum(".ffn.experts." in n and not n.startswith("mtp.") for n in spec)
     assert 0 <= measured - (read["total"] + read["host"]) <= n_expert_tensors, (measured, read)

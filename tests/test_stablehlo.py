@@ -235,6 +235,7 @@ def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composit
         assert text.read_text().startswith("module") and m.files[f"buckets/{record['text']}"]
 
 
+@pytest.mark.slow  # 90 s: the next test still runs the modules one prompt uses, through compare
 def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_stablehlo):
     """Each bucket's module, compiled by XLA from the bundle's file, on inputs that exercise it
     (prefill rows of several lengths; a decode step on an eager prefill's state), against the step
@@ -246,7 +247,7 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
     from dsneuron.compiler.compile import build_steps_for_config
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.stablehlo_check import bucket_inputs, compare_outputs, eager_outputs, logits_within_floor
-    from dsneuron.runtime_min.engram_hash import NgramHasher
+    from dsneuron.kernels_nki.engram_hash import NgramHasher
     from dsneuron.runtime_min.session import Session
 
     model_cfg, compile_cfg, _ = load_config("micro")

@@ -30,7 +30,7 @@ def session(micro_bundle) -> Session:
     return Session.load(micro_bundle.path)
 
 
-def test_50_seeded_sampled_requests_validate_against_their_schema(session):
+def _fifty_seeded_requests_validate(session: Session) -> None:
     with served(session) as (url, _):
         c = client(url)
         for seed in range(50):
@@ -41,6 +41,23 @@ def test_50_seeded_sampled_requests_validate_against_their_schema(session):
             text = ("".join(ch.choices[0].delta.content or "" for ch in got if ch.choices) if seed % 5 == 4
                     else got.choices[0].message.content)
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_50_seeded_sampled_requests_validate_against_their_schema(session):
+    _fifty_seeded_requests_validate(session)
+
+
+@pytest.mark.slow
+def test_50_seeded_sampled_requests_on_tiny_validate(tmp_path):
+    """The issue's goal on tiny as `dsneuron compile --config tiny` builds it (its decode batch
+    buckets and chunk bucket; from the compile cache after README's main job, else a cold compile
+    of several minutes)."""
+    from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
+    from dsneuron.compiler.config import load_config
+
+    model_cfg, compile_cfg, _ = load_config("tiny")
+    parts = build_steps_for_config(model_cfg, compile_cfg, None)
+    _fifty_seeded_requests_validate(Session.load(compile_bundle(model_cfg, compile_cfg, tmp_path / "bundle", parts)))
 
 
 def test_a_json_object_is_an_object_and_a_bad_schema_is_a_400(session):
