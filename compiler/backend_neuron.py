@@ -6,8 +6,8 @@ Neuron SDK is not installable on this host); it is tested with a stand-in compil
 for the one call that needs `nki`. The rest (flags, keys, lowering, StableHLO, the kernel adapters)
 runs here, the StableHLO on XLA:CPU (runtime_min/executor_stablehlo.py, tests/test_stablehlo.py).
 
-`NeuronBackend` is the neuron side of compiler/compile.py's bundle loop (its `Backend` interface);
-everything else of a compile (export, cache, weights, tokenizer, manifest, atomic write) is that
+`NeffBackend` and `StableHLOBackend` (the `--stablehlo-only` compile) are the neuron side of
+compiler/compile.py's bundle loop (its `Backend` interface); everything else of a compile (export, cache, weights, tokenizer, manifest, atomic write) is that
 loop's. Per bucket:
 1. torch.export on the host with the neuron lowering (`lowering`, compiler/lower.py KernelCalls):
    a custom op that has an NKI kernel (`NKI_KERNELS`) runs its adapter around the kernel's own op
@@ -15,7 +15,7 @@ loop's. Per bucket:
    slice), which stays one graph node; any other custom op is inlined from its torch reference. The
    export uses the neuron spelling (kernels_nki/formats.py): no float8 dtype (trn1/trn2 have no OCP
    e4m3fn, neuronx-cc NCC_EVRF051) and no float64 (Trainium computes none).
-2. Cache key ingredients (`NeuronBackend.key_ingredients`): this bucket's neuronx-cc arguments (or
+2. Cache key ingredients (`key_ingredients`): this bucket's neuronx-cc arguments (or
    "--stablehlo-only"), torch, torch-mlir, the SDK versions and the sources of the NKI kernel and
    adapter modules (`kernel_sources`).
 3. On a miss: compiler/stablehlo.py lowers the program to one StableHLO module, each kernel call a
@@ -385,83 +385,74 @@ def compile_neff(module: StableHlo, out: Path, args: Sequence[str], lnc: int) ->
 
 
 # ------------------------------------------------------------------------------------------ the backend
-class NeuronBackend:
-    """The neuron target for compiler/compile.py `compile_bundle`; the methods are its `Backend`
-    interface's. Each bucket is lowered to StableHLO (compiler/stablehlo.py); with
-    `stablehlo_only` the bucket's file is that module as a portable artifact (any host with
-    dsneuron's install), else the NEFF neuronx-cc makes of it (the SDK, NOT RUN here).
-
-    Made before any work, from the `flags` overrides and the plan's bucket file stems: hashes the
-    NKI kernel and adapter modules of NKI_KERNELS (`kernel_sources`) and, for NEFFs, plans and
-    validates every bucket's neuronx-cc arguments (`plan_flags`) and finds neuronx-cc; for
-    StableHLO, checks torch-mlir. Raises ConfigError, CompileError or BundleError naming the problem.
-    The cache keys take the neuronx-cc arguments (or "--stablehlo-only") and `key_toolchain`.
-    """
+class _NeuronLowering:
+    """What the two neuron backends share: the NKI kernel sources and their ops (`kernel_sources`,
+    hashed into the cache keys), the neuron lowering of the kernel calls, and the StableHLO module
+    of a bucket. Not a backend by itself: `StableHLOBackend` and `NeffBackend` are."""
 
     target = "neuron"
     input_views = INPUT_VIEWS
     # trn1/trn2 have no OCP e4m3fn (neuronx-cc EVRF051) and no float64
     neuron_spelling = True
 
-    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str], stablehlo_only: bool = False):
-        self.stablehlo_only = stablehlo_only
+    def __init__(self) -> None:
         self.kernels = kernel_sources()
         self._kernel_ops = kernel_ops(self.kernels)
-        if stablehlo_only:
-            if flags:
-                raise ConfigError("neuron flags: --stablehlo-only runs no neuronx-cc, so it takes no neuronx-cc flags")
-            require_torch_mlir()
-            self.name = STABLEHLO_BACKEND
-            self.toolchain = stablehlo_toolchain()
-            self._key_toolchain = {"torch": self.toolchain["torch"], "torch_mlir": self.toolchain["torch_mlir"],
-                                   "stablehlo": self.toolchain["stablehlo"]["artifact"],
-                                   "nki_kernels": {op: dict(e) for op, e in self.kernels.items()}}
-        else:
-            self.flags = plan_flags(flags, stems)
-            require_compiler()
-            self.name = BACKEND
-            self.toolchain = {**neuron_toolchain(), "torch_mlir": metadata.version("torch-mlir")}
-            self._key_toolchain = key_toolchain(self.toolchain, self.kernels)
-        self._texts: dict[str, str | None] = {}
 
     def lowering(self) -> KernelCalls:
         return lowering()
-
-    def key_ingredients(self, stem: str) -> tuple[list[str], dict[str, Any]]:
-        flags = ["--stablehlo-only"] if self.stablehlo_only else list(self.flags.per_bucket[stem])
-        return flags, self._key_toolchain
 
     def lower(self, program: torch.export.ExportedProgram, stem: str):
         """The bucket's StableHLO module (compiler/stablehlo.py `lower_program`), its NKI kernel
         calls as this backend's kernel composites; raises as `lower_program`."""
         return lower_program(program, self._kernel_ops, stem)
 
+    def side_files(self, path: Path) -> dict[str, bytes]:
+        return {}
+
+    def _record(self, custom_ops: dict[str, str]) -> dict[str, Any]:
+        return {"backend": self.name, "custom_ops": custom_ops,
+                "nki_kernels": {op: entry["kernel"] for op, entry in self.kernels.items()}}
+
+
+class StableHLOBackend(_NeuronLowering):
+    """The neuron target stopped at StableHLO (`compile --target neuron --stablehlo-only`), for
+    compiler/compile.py `compile_bundle`; the methods are its `Backend` interface's. Each bucket's
+    file is its StableHLO module (compiler/stablehlo.py) as a portable artifact that any host with
+    dsneuron's install can run on XLA:CPU. Needs torch-mlir, not the Neuron SDK. The cache keys take
+    "--stablehlo-only" and the torch, torch-mlir and StableHLO versions with the NKI kernel hashes.
+    Raises ConfigError when given neuronx-cc flags, BundleError when torch-mlir is missing."""
+
+    name = STABLEHLO_BACKEND
+
+    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
+        super().__init__()
+        if flags:
+            raise ConfigError("neuron flags: --stablehlo-only runs no neuronx-cc, so it takes no neuronx-cc flags")
+        require_torch_mlir()
+        self.toolchain = stablehlo_toolchain()
+        self._key_toolchain = {"torch": self.toolchain["torch"], "torch_mlir": self.toolchain["torch_mlir"],
+                               "stablehlo": self.toolchain["stablehlo"]["artifact"],
+                               "nki_kernels": {op: dict(e) for op, e in self.kernels.items()}}
+        self._texts: dict[str, str | None] = {}
+
+    def key_ingredients(self, stem: str) -> tuple[list[str], dict[str, Any]]:
+        return ["--stablehlo-only"], self._key_toolchain
+
     def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
-        module = self.lower(program, stem)
-        if not self.stablehlo_only:
-            compile_neff(module, out, self.flags.per_bucket[stem], self.flags.lnc)
-            return
         tmp = out.with_name(f".{out.name}.part")
-        tmp.write_bytes(module.artifact())
+        tmp.write_bytes(self.lower(program, stem).artifact())
         os.replace(tmp, out)
 
     def bucket_facts(self, path: Path, stem: str) -> dict[str, Any]:
-        """The manifest record of the bucket's file. StableHLO: format, version, the module's facts
-        (compiler/stablehlo.py ModuleFacts) and its text file when one is written (`side_files`).
-        NEFF: its header must be whole and carry the requested logical core size (else
-        BundleError: never bundle a bad NEFF)."""
-        if self.stablehlo_only:
-            module = parse_module(artifact_text(path.read_bytes()))
-            facts = module.facts()
-            text = module.text if facts.text_bytes <= TEXT_LIMIT else None
-            self._texts[path.name] = text
-            return {"format": ARTIFACT_FORMAT, "version": TARGET_VERSION, "facts": facts.to_dict(),
-                    "text": f"{path.name.removesuffix('.mlirbc')}.mlir" if text is not None else None}
-        header = read_header(path)
-        lnc = self.flags.lnc
-        check_header(header, path.stat().st_size, path.name, allowed_feature_bits=header.feature_bits, lnc=lnc,
-                     lnc_source=f"requested with --lnc {lnc}")
-        return NeffRecord.of(header, self.flags.per_bucket[stem]).to_dict()
+        """The manifest record of the bucket's module: format, version, its facts
+        (compiler/stablehlo.py ModuleFacts) and its text file when one is written (`side_files`)."""
+        module = parse_module(artifact_text(path.read_bytes()))
+        facts = module.facts()
+        text = module.text if facts.text_bytes <= TEXT_LIMIT else None
+        self._texts[path.name] = text
+        return {"format": ARTIFACT_FORMAT, "version": TARGET_VERSION, "facts": facts.to_dict(),
+                "text": f"{path.name.removesuffix('.mlirbc')}.mlir" if text is not None else None}
 
     def side_files(self, path: Path) -> dict[str, bytes]:
         """Files written beside the bucket's file at `path` (after `bucket_facts`): its module as
@@ -470,8 +461,43 @@ class NeuronBackend:
         return {} if text is None else {f"{path.name.removesuffix('.mlirbc')}.mlir": text.encode()}
 
     def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        record = {"backend": self.name, "custom_ops": custom_ops,
-                  "nki_kernels": {op: entry["kernel"] for op, entry in self.kernels.items()}}
-        if self.stablehlo_only:
-            return {**record, "flags": ["--stablehlo-only"], "stablehlo": facts}
-        return {**record, "flags": list(self.flags.common), "neff": facts}
+        return {**self._record(custom_ops), "flags": ["--stablehlo-only"], "stablehlo": facts}
+
+
+class NeffBackend(_NeuronLowering):
+    """The neuron target to NEFFs, for compiler/compile.py `compile_bundle`; the methods are its
+    `Backend` interface's. Each bucket is lowered to StableHLO (compiler/stablehlo.py) and its file
+    is the NEFF neuronx-cc makes of it (the Neuron SDK: NOT RUN on this project's hosts).
+
+    Made before any work, from the `flags` overrides and the plan's bucket file stems: plans and
+    validates every bucket's neuronx-cc arguments (`plan_flags`) and finds neuronx-cc. Raises
+    ConfigError, CompileError or BundleError naming the problem. The cache keys take the
+    neuronx-cc arguments and `key_toolchain`.
+    """
+
+    name = BACKEND
+
+    def __init__(self, flags: Mapping[str, Any] | None, stems: Sequence[str]):
+        super().__init__()
+        self.flags = plan_flags(flags, stems)
+        require_compiler()
+        self.toolchain = {**neuron_toolchain(), "torch_mlir": metadata.version("torch-mlir")}
+        self._key_toolchain = key_toolchain(self.toolchain, self.kernels)
+
+    def key_ingredients(self, stem: str) -> tuple[list[str], dict[str, Any]]:
+        return list(self.flags.per_bucket[stem]), self._key_toolchain
+
+    def compile(self, program: torch.export.ExportedProgram, out: Path, stem: str) -> None:
+        compile_neff(self.lower(program, stem), out, self.flags.per_bucket[stem], self.flags.lnc)
+
+    def bucket_facts(self, path: Path, stem: str) -> dict[str, Any]:
+        """The NEFF's manifest record; its header must be whole and carry the requested logical
+        core size (else BundleError: never bundle a bad NEFF)."""
+        header = read_header(path)
+        lnc = self.flags.lnc
+        check_header(header, path.stat().st_size, path.name, allowed_feature_bits=header.feature_bits, lnc=lnc,
+                     lnc_source=f"requested with --lnc {lnc}")
+        return NeffRecord.of(header, self.flags.per_bucket[stem]).to_dict()
+
+    def compiler_record(self, custom_ops: dict[str, str], facts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        return {**self._record(custom_ops), "flags": list(self.flags.common), "neff": facts}

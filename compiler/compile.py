@@ -12,7 +12,8 @@ the weights file, tokenizer copies, manifest, atomic rename.
 One loop drives both targets through `Backend`, the few things that differ per target: the export
 lowering and input views, the cache key ingredients of a bucket, compiling one bucket, per-bucket
 manifest facts and the manifest's `compiler` section. `CpuBackend` (AOTInductor, compiler/
-backend_cpu.py) and `backend_neuron.NeuronBackend` (neuronx-cc with NKI kernels) implement it.
+backend_cpu.py), `backend_neuron.NeffBackend` (neuronx-cc with NKI kernels) and
+`backend_neuron.StableHLOBackend` (the neuron target stopped at StableHLO) implement it.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def make_backend(target: str, flags: dict[str, Any] | None, stems: Sequence[str]
     if target == "cpu":
         return CpuBackend(flags)
     if target == "neuron":
-        return backend_neuron.NeuronBackend(flags, stems, stablehlo_only)
+        return (backend_neuron.StableHLOBackend if stablehlo_only else backend_neuron.NeffBackend)(flags, stems)
     raise BundleError(f"unknown target {target!r} (known: cpu, neuron)")
 
 

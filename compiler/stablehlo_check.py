@@ -165,10 +165,10 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     stages it runs."""
     from dsneuron.kernels_nki.engram_hash import NgramHasher
 
-    from .backend_neuron import NeuronBackend
+    from .backend_neuron import StableHLOBackend
     from .compile import export_bucket
 
-    backend = NeuronBackend(None, [], stablehlo_only=True)
+    backend = StableHLOBackend(None, [])
     hasher = NgramHasher(parts.host_params["engram"]) if parts.host_params.get("engram") else None
     graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
         else parts.steps.decode(pb.batch, pb.capacity)

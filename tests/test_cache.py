@@ -488,7 +488,7 @@ binding = NkiBinding("stand_in:gated_mix", stand_in.in_order, "dsneuron_test::nk
 kernels = backend_neuron.kernel_sources({"dsneuron_test::gated_mix": binding})
 from dsneuron.compiler.lower import KernelCalls
 neuron = SimpleNamespace(lowering=lambda: KernelCalls({"dsneuron_test::gated_mix": binding}),
-                         input_views=backend_neuron.INPUT_VIEWS, neuron_spelling=backend_neuron.NeuronBackend.neuron_spelling)
+                         input_views=backend_neuron.INPUT_VIEWS, neuron_spelling=backend_neuron.NeffBackend.neuron_spelling)
 nrecord, nprogram = pipeline.export_bucket(kit.parts, pb, neuron)
 nflags = ["--target=trn2", "-O1"]
 print(json.dumps({
