@@ -38,7 +38,8 @@ def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_
     """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/server.py
     Limits fields; prefix_cache_bytes: its prefix cache, 0 for none) whose requests sample `script`
     (when given), `delay` seconds a token; yields (base URL, the Requests it queued)."""
-    from dsneuron.runtime_min.server import Engine, Limits, create_app
+    from dsneuron.runtime_min.engine import Engine
+    from dsneuron.runtime_min.server import Limits, create_app
 
     seen = []
 

@@ -295,7 +295,8 @@ def gated_server(session: Session, max_queue: int, step_delay: float = 0.0):
     """The server app over 127.0.0.1 in this process, its engine's steps held until `gate` is set
     (and slowed by step_delay seconds each), so queue and disconnect cases are deterministic.
     Yields (base URL, engine, gate)."""
-    from dsneuron.runtime_min.server import Engine, create_app
+    from dsneuron.runtime_min.engine import Engine
+    from dsneuron.runtime_min.server import create_app
 
     engine = Engine(session, max_queue)
     gate = threading.Event()
