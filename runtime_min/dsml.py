@@ -114,10 +114,14 @@ class ReplyParser:
             pass
         return out
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
         """The events of the end of the reply: held-back text is released, and an unterminated
-        block is an error unless only whitespace is left of it."""
+        block is an error unless only whitespace is left of it. cut: the reply was stopped before
+        its end (max_tokens, a time limit): held-back text that could still be the start of a
+        tool-call block was markup being written, and is dropped rather than released as content."""
         out = self.feed("")
+        if cut and self._state == "content" and self._tools and CALLS_OPEN.startswith(self._buf.lstrip("\n")):
+            self._buf = ""
         if self._state == "calls" and self._buf.strip():
             self._fail(f"the reply ends inside a tool call ({self._buf[:40]!r}...)")
         kind = "reasoning" if self._state == "reasoning" else "content"

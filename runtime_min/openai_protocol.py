@@ -247,7 +247,7 @@ class Reply:
             out = []
             for i, (c, t, r) in enumerate(zip(choices, texts, reasons)):
                 c.deltas(t)
-                c.finish()
+                c.finish(r)
                 out.append({"index": i, "message": c.message(), "logprobs": None, "finish_reason": c.reason(r)})
             return self._obj("chat.completion", out, usage_)
         out = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
@@ -289,8 +289,10 @@ class ChatChoice:
     def deltas(self, piece: str) -> list[dict]:
         return self._deltas(self._parser.feed(piece))
 
-    def finish(self) -> list[dict]:
-        return self._deltas(self._parser.finish())
+    def finish(self, finish_reason: str = "stop") -> list[dict]:
+        """The last deltas; a reply cut off ("length", "abort") drops a tool-call marker it was
+        writing (runtime_min/dsml.py ReplyParser.finish)."""
+        return self._deltas(self._parser.finish(cut=finish_reason in ("length", "abort")))
 
     def _deltas(self, events: list[Event]) -> list[dict]:
         out = []

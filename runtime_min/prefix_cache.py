@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,17 +31,20 @@ class Snapshot:
     state: {name: tensor [1, ...]} the state row after the prefix (graphs/steps.py state_layout at
     batch 1: every cache, the compressor's pending group); engram_history: the last
     max_ngram_size - 1 token ids the engram hasher keeps (int64 [1, H]), None for a bundle that
-    hashes no engram ids. No logits: a lookup takes at most all but the prompt's last token
-    (runtime_min/scheduler.py), so the rest's last call gives them. nbytes: their bytes together,
-    what the cache's budget counts.
+    hashes no engram ids; logits: fp32 [V], the logits after the prefix's last token where the
+    call that fed it gave them (a prefill or chunk call), else None. A request whose whole prompt
+    is a cached prefix can start only from a snapshot with logits (its first token is sampled from
+    them); any shorter prefix leaves at least one token whose call gives them
+    (runtime_min/scheduler.py). nbytes: their bytes together, what the cache's budget counts.
     """
 
     state: dict[str, torch.Tensor]
     engram_history: torch.Tensor | None
+    logits: torch.Tensor | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        tensors = [*self.state.values(), *([] if self.engram_history is None else [self.engram_history])]
+        tensors = [*self.state.values(), *(t for t in (self.engram_history, self.logits) if t is not None)]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -106,10 +109,11 @@ class PrefixCache:
                 self._evict(next(iter(self._lru)))
             return True
 
-    def longest_prefix(self, tokens: Sequence[int], max_len: int | None = None) -> tuple[int, Any] | None:
+    def longest_prefix(self, tokens: Sequence[int], max_len: int | None = None,
+                       usable: Callable[[int, Any], bool] | None = None) -> tuple[int, Any] | None:
         """(n, snapshot) of the longest stored prefix tokens[:n] with n <= max_len (default
-        len(tokens)), counted as a hit of n tokens and made the most recently used; None (a miss)
-        when no stored prefix matches."""
+        len(tokens)) and, when given, usable(n, snapshot) true, counted as a hit of n tokens and
+        made the most recently used; None (a miss) when no stored prefix matches."""
         limit = len(tokens) if max_len is None else min(max_len, len(tokens))
         with self._lock:
             node, best = self._root, None
@@ -117,7 +121,7 @@ class PrefixCache:
                 node = node.children.get(int(tokens[n]))
                 if node is None:
                     break
-                if node.snapshot is not None:
+                if node.snapshot is not None and (usable is None or usable(n + 1, node.snapshot)):
                     best = (n + 1, node)
             if best is None:
                 self.misses += 1

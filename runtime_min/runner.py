@@ -553,13 +553,15 @@ class Runner:
             h[row].copy_(src.history[0])
         return State(tensors, h)
 
-    def snapshot(self, state: State, row: int) -> Snapshot:
+    def snapshot(self, state: State, row: int, logits: torch.Tensor | None = None) -> Snapshot:
         """A copy of row `row` of `state` (every state tensor [1, ...] at its capacity, the engram
-        history [1, H]), for the prefix cache (runtime_min/prefix_cache.py): the state after the
-        tokens that row was fed. A copy, so the row may go on running."""
+        history [1, H]) and of `logits` (fp32 [B, V] of the call that fed the row's last token, or
+        None), for the prefix cache (runtime_min/prefix_cache.py): the state after the tokens that
+        row was fed. A copy, so the row may go on running."""
         h = state.history
         return Snapshot({k: v[row:row + 1].clone() for k, v in state.tensors.items()},
-                        None if h is None else h[row:row + 1].clone())
+                        None if h is None else h[row:row + 1].clone(),
+                        None if logits is None else logits[row].clone())
 
     def restore(self, snap: Snapshot) -> State:
         """A one-row State from a copy of `snap` (the cache keeps its own tensors unchanged)."""

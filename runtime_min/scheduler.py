@@ -27,12 +27,13 @@ One step:
    request ends, and the last row moves into its place so the active rows stay at the front.
 
 Prefix cache (runtime_min/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
-copy of the snapshot of its longest cached prefix of at most all but its last token (so the rest
-is at least one token, whose logits give the first token) and runs only the rest, as chunks
-(Runner.prefill_job). Snapshots are inserted after every call of a prefill (its prompt so far: at
-chunk boundaries and at the end of the prompt) and when a request's row is freed (the tokens its
-row was fed: the prompt plus the completion but its last sampled token, which is never fed back;
-what a chat's next turn resends). The output is the request's without the cache, bit for bit: a
+copy of the snapshot of its longest cached prefix and runs only the rest, as chunks
+(Runner.prefill_job); the whole prompt counts only from a snapshot that kept the logits after its
+last token (a prompt sent again: no executable call, the first token sampled from those logits),
+any shorter prefix leaves a rest whose last call gives them. Snapshots are inserted after every
+call of a prefill (its prompt so far, with that call's logits: at chunk boundaries and at the end
+of the prompt) and when a request's row is freed (the tokens its row was fed: the prompt plus the
+completion but its last sampled token, which is never fed back; what a chat's next turn resends). The output is the request's without the cache, bit for bit: a
 state row after N tokens is the same whichever steps produced it (graphs/model.py, one layout
 for prefill, chunk and decode; tests/test_model.py).
 
@@ -395,21 +396,24 @@ class Scheduler:
 
     def _prefill(self, r: Request) -> None:
         """The next executable call of r's prefill (the first one creates its job, from the longest
-        cached prefix of at most all but its last token); when the prompt is done, its first token
-        and its row. Snapshots go to the prefix cache after every call."""
+        usable cached prefix); when the prompt is done, its first token and its row. Snapshots go
+        to the prefix cache after every call. A prompt cached whole with its logits runs no call."""
         t0 = time.perf_counter()
         try:
             if r._job is None:
-                hit = None
-                if self.prefix_cache is not None and len(r.prompt_ids) > 1:
-                    hit = self.prefix_cache.longest_prefix(r.prompt_ids, len(r.prompt_ids) - 1)
-                r._job = self.runner.prefill_job(r.prompt_ids, prefix=hit)
+                ids, hit = r.prompt_ids, None
+                if self.prefix_cache is not None:
+                    hit = self.prefix_cache.longest_prefix(ids, usable=lambda n, s: n < len(ids) or s.logits is not None)
+                if hit is not None and hit[0] == len(ids):
+                    self._start_row(r, hit[1].logits[None], self.runner.restore(hit[1]))
+                    return
+                r._job = self.runner.prefill_job(ids, prefix=hit)
             done = r._job.step()
         except BaseException as e:
             self._prefilling = None
             self._end(r, "error", f"{type(e).__name__}: {e}")
             raise
-        self._keep(r.prompt_ids[:r._job.fed], r._job.last.state, 0)
+        self._keep(r.prompt_ids[:r._job.fed], r._job.last.state, 0, r._job.last.logits)
         if self.stats is not None:
             self.stats.prefill_s += time.perf_counter() - t0
         if not done:
@@ -418,18 +422,24 @@ class Scheduler:
         self._prefilling = None
         prefilled = r._job.result
         r._job = None  # its state is copied into the row: not kept twice
+        self._start_row(r, prefilled.logits[:1], prefilled.state)
+
+    def _start_row(self, r: Request, logits: torch.Tensor, state: State) -> None:
+        """r's prompt is fed (its last token's logits [1, V], its state in row 0 of `state`): its
+        first token, then, unless that ended it, row 0 of `state` into the next free row."""
         r._fed = len(r.prompt_ids)
-        self._accept(r, int(sample(prefilled.logits[:1], r.temperature, r.top_p, r._generator, r._allowed())[0]))
-        if not r.finished:  # row 0 of the prefill's state into the next free row
+        self._accept(r, int(sample(logits, r.temperature, r.top_p, r._generator, r._allowed())[0]))
+        if not r.finished:
             n = len(self._running)
             rows = select.first_fit(self.runner.decode_batches, n + 1)
-            self._state = self.runner.place_row(self._state, n, prefilled.state, rows)
+            self._state = self.runner.place_row(self._state, n, state, rows)
             self._running.append(r)
 
-    def _keep(self, fed: list[int], state: State, row: int) -> None:
-        """Snapshot row `row` of `state`, the state after the tokens `fed`, into the prefix cache."""
+    def _keep(self, fed: list[int], state: State, row: int, logits: torch.Tensor | None = None) -> None:
+        """Snapshot row `row` of `state`, the state after the tokens `fed` (and `logits`, fp32
+        [B, V] after them, when the call that fed them gave them), into the prefix cache."""
         if self.prefix_cache is not None and fed and self.prefix_cache.max_bytes:
-            self.prefix_cache.insert(fed, self.runner.snapshot(state, row))
+            self.prefix_cache.insert(fed, self.runner.snapshot(state, row, logits))
 
     def _decode(self) -> None:
         n = len(self._running)

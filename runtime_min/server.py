@@ -384,7 +384,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, limi
                         yield event(reply.chunk(index, piece, reason))
                 else:
                     c = choices[index]
-                    for delta in c.deltas(piece) + (c.finish() if reason is not None else []):
+                    for delta in c.deltas(piece) + (c.finish(reason) if reason is not None else []):
                         yield event(reply.delta_chunk(index, delta))
                     if reason is not None:
                         if c.error:

@@ -86,6 +86,17 @@ def test_snapshot_counts_its_tensors_bytes():
                  torch.zeros(1, 2, dtype=torch.int64))
     assert s.nbytes == 16 + 3 + 16
     assert Snapshot({"a": torch.zeros(1, 4, dtype=torch.float32)}, None).nbytes == 16
+    assert Snapshot({"a": torch.zeros(1, 4, dtype=torch.float32)}, None, torch.zeros(10)).nbytes == 16 + 40
+
+
+def test_longest_prefix_skips_what_usable_refuses_and_counts_only_the_match():
+    c = PrefixCache(100)
+    c.insert([1, 2], Snap("short"))
+    c.insert([1, 2, 3], Snap("whole"))
+    assert c.longest_prefix([1, 2, 3], usable=lambda n, s: n < 3)[1].name == "short"
+    assert c.longest_prefix([1, 2, 3], usable=lambda n, s: s.name == "whole")[1].name == "whole"
+    assert c.longest_prefix([1, 2, 3], usable=lambda n, s: False) is None
+    assert c.stats()["hits"] == 2 and c.stats()["misses"] == 1 and c.stats()["tokens_saved"] == 2 + 3
 
 
 def test_concurrent_inserts_and_lookups_keep_the_budget_and_the_counters():

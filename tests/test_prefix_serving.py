@@ -80,8 +80,8 @@ def generate(session, prompts: list[list[int]], cache: PrefixCache | None, max_t
 def test_the_scheduler_starts_from_the_longest_prefix_and_keeps_prompt_and_completion(session):
     """Turn 1, then turn 2 = turn 1's prompt + its completion + new tokens: turn 2 starts from the
     snapshot taken when turn 1 ended (its prompt and completion but the last sampled token, which
-    was never fed), and every text is the one without the cache; the same prompt again hits at
-    its last token but one (the prompt's own snapshot is its whole length: not usable)."""
+    was never fed), and every text is the one without the cache; the same prompt again starts
+    from its own whole-prompt snapshot (kept with its logits)."""
     cache = PrefixCache(1 << 30)
     first = generate(session, [PROMPT[:8]], cache)[0]
     fed = PROMPT[:8] + first.generated[:-1]
@@ -93,9 +93,41 @@ def test_the_scheduler_starts_from_the_longest_prefix_and_keeps_prompt_and_compl
     assert [r.generated for r in again] == [alone.generated] * 2 and again[0].text == alone.text
     st = cache.stats()
     assert st["hits"] == 2 and st["misses"] == 1
-    # turn 2: the end-of-request snapshot (len(fed)); the repeat: its own prompt's is too long by
-    # one, the end snapshot of the first run of it is longer still, so the longest usable is len(fed)
-    assert st["tokens_saved"] == 2 * len(fed)
+    # turn 2: the end-of-request snapshot (len(fed)); the repeat: its whole prompt, which turn 2's
+    # prefill left with its logits (the end snapshot of turn 2 is longer than the prompt: no match)
+    assert st["tokens_saved"] == len(fed) + len(second_ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_prompt_sent_again_runs_no_call_and_gets_the_same_text(session, temperature):
+    """The whole prompt cached with its logits: the repeat runs no prefill call at all and
+    generates what the prompt gets without the cache (greedy, and sampled with one seed); a cache
+    whose snapshots lack logits (end-of-request only) cannot serve a whole prompt."""
+    cache = PrefixCache(1 << 30)
+    s = Scheduler(session.runner, session.decode, prefix_cache=cache)
+    first = s.submit(Request(list(PROMPT), 6, temperature=temperature, seed=7))
+    s.run()
+    calls = []
+    real = session.runner.prefill_job
+    session.runner.prefill_job = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        again = s.submit(Request(list(PROMPT), 6, temperature=temperature, seed=7))
+        s.run()
+    finally:
+        del session.runner.prefill_job
+    alone = Scheduler(session.runner, session.decode)
+    ref = alone.submit(Request(list(PROMPT), 6, temperature=temperature, seed=7))
+    alone.run()
+    assert calls == [] and again.generated == first.generated == ref.generated
+    assert cache.stats()["hits"] == 1 and cache.stats()["tokens_saved"] == len(PROMPT)
+    n, snap = cache.longest_prefix(PROMPT)
+    assert n == len(PROMPT) and snap.logits is not None
+    bare = PrefixCache(1 << 30)  # the same state, kept without logits: not a start for the whole prompt
+    bare.insert(PROMPT, session.runner.snapshot(session.runner.prefill_job(PROMPT).run().state, 0))
+    s = Scheduler(session.runner, session.decode, prefix_cache=bare)
+    r = s.submit(Request(list(PROMPT), 6, temperature=temperature, seed=7))
+    s.run()
+    assert r.generated == ref.generated and bare.stats()["misses"] == 1
 
 
 def test_a_cache_too_small_for_one_snapshot_stores_nothing_and_changes_nothing(session):

@@ -187,6 +187,19 @@ def test_malformed_markup_becomes_text_with_a_named_error():
     assert parse(["no end"], thinking=True)["reasoning"] == "no end"
 
 
+def test_a_reply_cut_inside_a_marker_keeps_no_markup_and_an_ended_one_keeps_its_text():
+    """A reply stopped (max_tokens) while it writes the block's opening: the held-back start of
+    the marker is dropped, at every cut point; a reply that ended there (EOS) wrote text."""
+    for k in range(1, len(dsml.CALLS_OPEN)):
+        for lead in ("", "ok", "ok\n\n"):
+            p = dsml.ReplyParser(tools=True)
+            events = p.feed(lead + dsml.CALLS_OPEN[:k]) + p.finish(cut=True)
+            content = "".join(e.text for e in events if e.kind == "content")
+            assert content == lead.rstrip("\n") and p.error is None, (lead, k)
+    p = dsml.ReplyParser(tools=True)
+    assert "".join(e.text for e in p.feed("a <") + p.finish()) == "a <"
+
+
 def test_arguments_round_trip_through_the_prompt_rendering():
     block = "".join(t for t, _ in dsml.render_calls([("c1", "get_weather", CALL["function"]["arguments"])]))
     assert parse(["\n\n" + block], thinking=False)["calls"] == [("get_weather", {"city": "Paris", "days": 2})]
@@ -293,6 +306,15 @@ def test_forced_tool_choice_makes_the_random_model_call_the_tool(session):
                     assert got.finish_reason == "tool_calls" and got.message.content is None
                 assert calls and {n for n, _ in calls} <= names
                 assert all(isinstance(json.loads(a), dict) for _, a in calls)
+            for stream in (False, True):  # cut off by max_tokens inside the markup: no markup in content
+                kw = dict(model="bundle", messages=ASK, tools=OPENAI_TOOLS, tool_choice=choice, max_tokens=1,
+                          temperature=0)
+                if stream:
+                    s = streamed(client(url).chat.completions.create(**kw, stream=True))
+                    assert s["reason"] == "length" and s["content"] == ""
+                else:
+                    got = client(url).chat.completions.create(**kw).choices[0]
+                    assert got.finish_reason == "length" and not got.message.content
         for choice in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
             with pytest.raises(openai.BadRequestError) as e:
                 client(url).chat.completions.create(model="bundle", messages=ASK, tools=OPENAI_TOOLS, tool_choice=choice)
