@@ -210,6 +210,8 @@ def _checked(i: int, m: Any) -> dict:
     call_id = m.get("tool_call_id") or ""
     if not isinstance(call_id, str):
         raise ChatError(f"{where}.tool_call_id: expected a string", f"{where}.tool_call_id")
+    if "content" not in m and not (role == "assistant" and calls):  # as OpenAI's API: only a call may omit it
+        raise ChatError(f"{where}.content: required for a {role} message", f"{where}.content")
     text = content_text(m.get("content") or "", f"{where}.content", "\n\n" if role == "tool" else "\n")
     return {"role": role, "content": text, "reasoning": reasoning,
             "tool_calls": parsed, "tool_call_id": call_id}

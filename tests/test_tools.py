@@ -114,6 +114,9 @@ def test_tool_text_is_text_and_bad_messages_name_the_field(tmp_path):
         ([{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, {"role": "user", "content": "a"}], None,
          "messages[0].tool_calls[0]"),
         ([{"role": "user", "content": "a"}], [{"type": "function", "function": {}}], "tools[0]"),
+        ([{"role": "system", "content": "s"}, {"role": "user"}], None, "messages[1].content"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant"}, {"role": "user", "content": "b"}], None,
+         "messages[1].content"),
     ]:
         with pytest.raises(chat.ChatError) as e:
             chat.render(msgs, tools)
