@@ -218,10 +218,7 @@ def apply(s: Scheduler, events: list[tuple]) -> None:
     """Apply engine events to a scheduler: ("submit", Request), ("cancel", Request), ("cancel_all",)."""
     for ev in events:
         if ev[0] == "submit":
-            try:
-                s.submit(ev[1])
-            except RequestError:  # Engine.submit checked it already; a follower meets the same
-                pass
+            s.submit(ev[1], checked=True)  # Engine.submit checked it on rank 0, before queueing
         elif ev[0] == "cancel":
             s.cancel(ev[1])
         else:

@@ -304,10 +304,12 @@ class Scheduler:
         if len(r.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in r.stop):
             raise RequestError(f"stop must be at most {MAX_STOP} non-empty strings, got {list(r.stop)!r}", "stop")
 
-    def submit(self, r: Request) -> Request:
-        """Queue `r` (after `check`); returns it. Raises RequestError, QueueFull when max_queue
+    def submit(self, r: Request, checked: bool = False) -> Request:
+        """Queue `r` (after `check`, unless `checked`: the caller ran it, as the server's engine
+        does before it queues anything); returns it. Raises RequestError, QueueFull when max_queue
         requests wait already."""
-        self.check(r)
+        if not checked:
+            self.check(r)
         if r.seed is None:
             r._generator.seed()
         else:
