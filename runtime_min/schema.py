@@ -211,12 +211,7 @@ def _prepare_from_dict(raw: Any, where: str) -> Prepare:
     BundleError naming `where` and the key when it is malformed."""
     r = _obj(raw, where)
     fmt = _get_choice(r, "fmt", PREPARE_FORMATS, where)
-    names = {}
-    for key in ("weights", "scales", "outputs"):
-        value = _get(r, key, list, where)
-        if not all(isinstance(v, str) for v in value):
-            raise BundleError(f"manifest {where}.{key}: expected a list of tensor names")
-        names[key] = tuple(value)
+    names = {key: _names(r, key, where, "tensor names") for key in ("weights", "scales", "outputs")}
     if not names["weights"] or len(names["outputs"]) != 2:
         raise BundleError(f"manifest {where}: needs at least one weight and exactly two outputs")
     groups = _get(r, "groups", int, where)
@@ -243,12 +238,7 @@ class Stage:
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Stage":
         r = _obj(raw, where)
-        lists = {}
-        for key in ("weights", "inputs", "outputs"):
-            value = _get(r, key, list, where)
-            if not all(isinstance(v, str) for v in value):
-                raise BundleError(f"manifest {where}.{key}: expected a list of names")
-            lists[key] = tuple(value)
+        lists = {key: _names(r, key, where, "names") for key in ("weights", "inputs", "outputs")}
         return cls(_get(r, "name", str, where), _get(r, "file", str, where), **lists)
 
 
@@ -691,6 +681,14 @@ def _get_choice(r: dict[str, Any], key: str, choices: tuple[str, ...], where: st
     if value not in choices:
         raise BundleError(f"manifest {where}.{key}: {value!r} is not one of {', '.join(choices)}")
     return value
+
+
+def _names(r: dict[str, Any], key: str, where: str, what: str) -> tuple[str, ...]:
+    """r[key] as a tuple of strings; BundleError "manifest WHERE.KEY: expected a list of WHAT"."""
+    value = _get(r, key, list, where)
+    if not all(isinstance(v, str) for v in value):
+        raise BundleError(f"manifest {where}.{key}: expected a list of {what}")
+    return tuple(value)
 
 
 def _get(r: dict[str, Any], key: str, typ: type, where: str) -> Any:
