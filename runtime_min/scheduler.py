@@ -412,7 +412,8 @@ class Scheduler:
                 r._job = self.runner.prefill_job(ids, prefix=hit)
             done = r._job.step()
         except BaseException as e:
-            self._prefilling = None
+            if self._prefilling is r:
+                self._prefilling = None
             self._end(r, "error", f"{type(e).__name__}: {e}")
             raise
         self._keep(r.prompt_ids[:r._job.fed], r._job.last.state, 0, r._job.last.logits)
@@ -421,7 +422,8 @@ class Scheduler:
         if not done:
             self._prefilling = r
             return
-        self._prefilling = None
+        if self._prefilling is r:  # a short prompt admitted beside a chunked one leaves that one running
+            self._prefilling = None
         prefilled = r._job.result
         r._job = None  # its state is copied into the row: not kept twice
         self._start_row(r, prefilled.logits[:1], prefilled.state)

@@ -109,3 +109,38 @@ def test_unknown_numerics_exits_2(tmp_path):
     assert r.returncode == 2
     assert "--numerics: must be one of exact, fast (got 'foo')" in r.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_a_short_prompt_admitted_beside_a_chunked_one_leaves_it_running(fast_bundle):
+    """Two rows: a prompt whose prefill takes two calls (its first 4 tokens, then the rest from
+    their snapshot: the job a chunked prefill or a resumed prefix makes) is mid-prefill when a
+    short one is admitted to the other row and prefills whole; the first still finishes, and
+    both get the tokens they get alone."""
+    from dsneuron.runtime_min.runner import PrefillJob
+
+    session = Session.load(fast_bundle)
+    runner = session.runner
+    first, second = (session.encode(p) for p in ("The ship sails far away", "Hello world"))
+    alone = [_alone(session, "The ship sails far away", 5).generated, _alone(session, "Hello world", 4).generated]
+
+    real = runner.prefill_job
+
+    def two_calls(ids):
+        head = runner.prefill([ids[:4]])
+        yield 4, head
+        return real(ids, prefix=(4, runner.snapshot(head.state, 0))).run()
+
+    runner.prefill_job = lambda ids, **k: PrefillJob(two_calls(list(ids)), len(ids)) if list(ids) == first \
+        else real(ids, **k)
+    try:
+        s = session.scheduler()
+        a, b = Request(first, 5), Request(second, 4)
+        s.submit(a)
+        s.submit(b)
+        s.step()  # a's first call, then b admitted beside it and prefilled whole
+        assert s._prefilling is a and b.generated
+        s.run()
+    finally:
+        del runner.prefill_job
+    assert a.finish_reason == b.finish_reason == "length" and [a.generated, b.generated] == alone
+
