@@ -175,7 +175,7 @@ def test_any_text_parses_without_crashing_and_the_same_in_pieces(text, cuts):
     whole = parse([text])
     assert parse(text_pieces(text.encode(), [c for c in cuts if c <= len(text.encode())])) == whole
     if whole["error"] is None:  # well-formed: no markup left in the text
-        assert "｜DSML｜tool_calls>" not in whole["content"]
+        assert dsml.CALLS_OPEN not in whole["content"]  # the opening marker; its tail alone is text
 
 
 def test_malformed_markup_becomes_text_with_a_named_error():
