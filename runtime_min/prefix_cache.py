@@ -109,15 +109,14 @@ class PrefixCache:
                 self._evict(next(iter(self._lru)))
             return True
 
-    def longest_prefix(self, tokens: Sequence[int], max_len: int | None = None,
+    def longest_prefix(self, tokens: Sequence[int],
                        usable: Callable[[int, Any], bool] | None = None) -> tuple[int, Any] | None:
-        """(n, snapshot) of the longest stored prefix tokens[:n] with n <= max_len (default
-        len(tokens)) and, when given, usable(n, snapshot) true, counted as a hit of n tokens and
-        made the most recently used; None (a miss) when no stored prefix matches."""
-        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
+        """(n, snapshot) of the longest stored prefix tokens[:n] for which usable(n, snapshot) is
+        true (every one when None), counted as a hit of n tokens and made the most recently used;
+        None (a miss) when no stored prefix matches."""
         with self._lock:
             node, best = self._root, None
-            for n in range(limit):
+            for n in range(len(tokens)):
                 node = node.children.get(int(tokens[n]))
                 if node is None:
                     break

@@ -33,9 +33,10 @@ last token (a prompt sent again: no executable call, the first token sampled fro
 any shorter prefix leaves a rest whose last call gives them. Snapshots are inserted after every
 call of a prefill (its prompt so far, with that call's logits: at chunk boundaries and at the end
 of the prompt) and when a request's row is freed (the tokens its row was fed: the prompt plus the
-completion but its last sampled token, which is never fed back; what a chat's next turn resends). The output is the request's without the cache, bit for bit: a
-state row after N tokens is the same whichever steps produced it (graphs/model.py, one layout
-for prefill, chunk and decode; tests/test_model.py).
+completion but its last sampled token, which is never fed back; what a chat's next turn
+resends). The output is the request's without the cache, bit for bit: a state row after N tokens
+is the same whichever steps produced it (graphs/model.py, one layout for prefill, chunk and
+decode; tests/test_model.py).
 
 Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
 (same batch bucket, its own padded length); a decode row reads and writes only its own state

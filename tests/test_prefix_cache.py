@@ -28,7 +28,7 @@ def test_longest_prefix_finds_the_deepest_stored_prefix_and_counts():
     c.insert([1, 2, 3, 4], Snap("b"))
     assert c.longest_prefix([1, 2, 3, 4, 5]) == (4, Snap("b"))
     assert c.longest_prefix([1, 2, 3]) == (2, Snap("a"))  # [1,2,3] itself holds no snapshot
-    assert c.longest_prefix([1, 2, 3, 4], max_len=3) == (2, Snap("a"))
+    assert c.longest_prefix([1, 2, 3, 4], usable=lambda n, s: n <= 3) == (2, Snap("a"))
     assert c.longest_prefix([1]) is None and c.longest_prefix([9, 1, 2]) is None
     assert c.stats() == {"hits": 3, "misses": 2, "tokens_saved": 8, "bytes": 20, "entries": 2, "evictions": 0}
 
