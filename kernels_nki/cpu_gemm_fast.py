@@ -15,20 +15,27 @@ bf16 (exact: e4m3fn and e2m1 values have <= 3 mantissa bits; bf16 weights as sto
 element, each 32-k block's partial is 16 bf16 pair dot products in k order (VDPBF16PS on hosts with
 AVX512-BF16: Intel SDM "VDPBF16PS", which flushes denormals; two fp32 fma per pair elsewhere), and
 acc = fma(partial_b, scale_b, acc) over the blocks ascending (scale_b the block's power of two, 1
-for bf16). Each output element is computed by one thread with that one sequence, so a row's
+for bf16). On hosts with AMX-BF16 (variant "amx") the dot products are TDPBF16PS on AMX tiles (Intel
+SDM "TDPBF16PS"; it rounds differently from VDPBF16PS, so there every row count runs on AMX), and a
+panel whose scales all lie in [2^-64, 2^64] has them folded into its bf16 weights (exact: the products
+are normal bf16 values), its tile accumulating the whole K in fp32, block after block ascending; the
+other panels keep the per-block partial. Each output element is computed by one thread with that one sequence, so a row's
 result does not depend on M, its row, its neighbours or the thread count: deterministic and
 batch-invariant on one host. It is not bit-identical across hosts (the ISA decides the pair
 rounding), and differs from the exact kernel (cpu_gemm.py) by the activation's bf16 rounding and
 the summation order: `gemm_fast_ref` is the float64 value it approximates, within `error_bound`.
 
-Build: variant "avx512bf16" (-mavx512f -mavx512bw -mavx512vl -mavx512bf16 on top of the AVX2 flags)
-where /proc/cpuinfo lists avx512_bf16 and avx512bw and torch runs at AVX512 capability, else
-cpu_gemm's variant ("avx2", "generic"). Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
+Build: variant "amx" (the flags below plus -mamx-tile -mamx-bf16) where /proc/cpuinfo also lists
+amx_bf16 and amx_tile and Linux grants the process the AMX tile state (`request_amx`;
+DSNEURON_FAST_NO_AMX=1 skips it: the A/B switch of the benchmarks), else "avx512bf16" (-mavx512f
+-mavx512bw -mavx512vl -mavx512bf16 on top of the AVX2 flags) where /proc/cpuinfo lists avx512_bf16
+and avx512bw and torch runs at AVX512 capability, else cpu_gemm's variant ("avx2", "generic"). Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -40,8 +47,12 @@ from dsneuron.kernels_nki.cpu_gemm import BLOCK, FORMATS, check_args, dequant_we
 _SOURCE = Path(__file__).parent / "cpu" / "gemm_fast.cpp"
 #: the fast kernel's formats, by code (the first three of cpu_gemm.FORMATS)
 FAST_FORMATS = FORMATS[:3]
-ISA_FLAGS = {"avx512bf16": [*cpu_gemm.ISA_FLAGS["avx2"], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-             **cpu_gemm.ISA_FLAGS}
+_AVX512BF16 = [*cpu_gemm.ISA_FLAGS["avx2"], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+ISA_FLAGS = {"amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"], "avx512bf16": _AVX512BF16, **cpu_gemm.ISA_FLAGS}
+
+# Linux: a process must ask for the AMX tile state before its first AMX instruction (else SIGILL):
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), kernel Documentation/arch/x86/xstate.rst
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
@@ -56,11 +67,25 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
+def request_amx() -> bool:
+    """Ask Linux for this process's AMX tile state; True when granted (x86-64 Linux only)."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
 def host_variant() -> str:
-    """"avx512bf16" when the CPU has AVX512-BF16 and AVX512BW and torch runs at AVX512 capability
-    (ATEN_CPU_CAPABILITY can lower it), else cpu_gemm.host_variant()."""
+    """"amx" when the CPU has AMX-BF16 and the kernel grants its tile state, else "avx512bf16" when
+    it has AVX512-BF16 and AVX512BW; both need torch at AVX512 capability (ATEN_CPU_CAPABILITY can
+    lower it, and DSNEURON_FAST_NO_AMX=1 keeps AMX off); else cpu_gemm.host_variant()."""
+    flags = cpu_flags()
     if cpu_gemm.host_variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX512" and \
-            {"avx512_bf16", "avx512bw", "avx512vl"} <= cpu_flags():
+            {"avx512_bf16", "avx512bw", "avx512vl"} <= flags:
+        if {"amx_bf16", "amx_tile"} <= flags and os.environ.get("DSNEURON_FAST_NO_AMX") != "1" and request_amx():
+            return "amx"
         return "avx512bf16"
     return cpu_gemm.host_variant()
 

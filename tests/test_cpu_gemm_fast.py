@@ -6,9 +6,15 @@ operands. Bitwise on one host: a row alone equals the row inside a batch of 1..8
 in it), one thread equals two, the grouped op equals per-expert calls, a GEMM continued from init
 is the same sum. Exact weight expansion: an identity activation reads back every FP8 code (NaN
 included) as its value times its scale. Bad arguments raise ValueError naming the argument.
+On AMX hosts the same tests run the AMX layer (block scales folded into the weights), plus its
+per-block path for scales outside the fold range and the switch that turns AMX off.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,6 +82,21 @@ def test_a_row_is_the_same_in_every_batch(fmt):
             assert_bits(run(fmt, a[r0:r0 + m], weight, scale), alone[r0:r0 + m])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_scales_outside_the_fold_range(fmt):
+    """Block scales of 2^-67 .. 2^73 (UE8M0 bytes 60..200), most outside [2^-64, 2^64], where the
+    AMX layer keeps a partial per block instead of folding the scale into the weights: still within
+    the bound, and a row alone equals the row in a batch."""
+    gen = torch.Generator().manual_seed(8)
+    weight, scale = checkpoint_weight(fmt, 40, 256, gen)
+    scale = torch.randint(60, 201, scale.shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a = activations(40, 256, gen)
+    got = run(fmt, a, weight, scale)
+    assert ((got.double() - F.gemm_fast_ref(a, fmt, weight, scale)).abs() <= F.error_bound(a, fmt, weight, scale)).all()
+    for r0, m in ((0, 1), (3, 5), (7, 17), (0, 40)):
+        assert_bits(got[r0:r0 + m], run(fmt, a[r0:r0 + m], weight, scale))
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 29])
 def test_threads_do_not_matter(m):
     gen = torch.Generator().manual_seed(m)
@@ -135,3 +156,12 @@ def test_bad_arguments(fake):
                 OPS.gemm_fast(*args)
     with pytest.raises(ValueError, match="fp32 weights stay on gemm_panels"):
         F.gemm(a, prep, "fp32", 16)
+
+
+@pytest.mark.skipif(F.VARIANT != "amx", reason="the host has no AMX-BF16 (or Linux refused its tile state)")
+def test_amx_can_be_turned_off():
+    """DSNEURON_FAST_NO_AMX=1 (the benchmarks' A/B switch) builds the VDPBF16PS variant instead."""
+    code = "from dsneuron.kernels_nki import cpu_gemm_fast as F; print(F.VARIANT)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DSNEURON_FAST_NO_AMX": "1"},
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == "avx512bf16"

@@ -19,6 +19,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define DSN_BF16DP 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define DSN_AMX 1  // gemm_fast.cpp's AMX layer; the process must hold AMX permission (cpu_gemm_fast.py)
+#endif
 #endif
 
 namespace dsn {
@@ -61,17 +64,21 @@ inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
-// FP8 rows k, k+1 of a panel (code + k * 16: 32 bytes) -> pair vector. e4m3fn s.eeee.mmm is the
-// bf16 s.(e+120).mmm0000 for e > 0; the 8 subnormal magnitudes m * 2^-9 come from a table;
-// magnitude 0x7F is NaN
-inline W fp8_pair(const uint8_t* code) {
+// The 8 subnormal e4m3 magnitudes m * 2^-9 as bf16, by m (lanes 8-31 unused)
+inline __m512i fp8_subnormals() {
+  return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                          0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+}
+
+// FP8 rows k, k+1 of a panel (code + k * 16: 32 bytes) -> pair vector, each value times 2^e where
+// bias = (120 + e) << 7 and sub = fp8_subnormals() with e << 7 added to its nonzero lanes (e = 0:
+// the values themselves; |e| <= 64 keeps every product a normal bf16, exactly). e4m3fn s.eeee.mmm
+// is the bf16 s.(e+120).mmm0000 for e > 0; the subnormals come from the table; magnitude 0x7F is NaN
+inline W fp8_pair(const uint8_t* code, __m512i bias = _mm512_set1_epi16(0x3C00), __m512i sub = fp8_subnormals()) {
   const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
   const __m128i r0 = _mm256_castsi256_si128(rows), r1 = _mm256_extracti128_si256(rows, 1);
   const __m512i x = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1)));
-  __m512i y = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(int16_t(0x87F0))),
-                               _mm512_set1_epi16(0x3C00));
-  const __m512i sub = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                       0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+  __m512i y = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16(int16_t(0x87F0))), bias);
   const __mmask32 is_sub = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x78));  // exponent 0: index = m
   const __m512i t = _mm512_or_si512(_mm512_permutexvar_epi16(x, sub),
                                     _mm512_and_si512(y, _mm512_set1_epi16(int16_t(0x8000))));
