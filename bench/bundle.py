@@ -30,7 +30,10 @@ With --numerics naming several cpu kernel numerics (graphs.config.NUMERICS_MODES
 exact first), items 1-3 and 6-7 run for the first as above, and each other one gets its own cold compile, bundle measurement (2, 5,
 6: each child measures torch.mm and the FMA peak beside its own prefill) and batch buckets (7); a
 last table puts the modes side by side: compile, prefill GFLOP/s against torch.mm bf16 on the same
-shapes and the FMA peak, decode tok/s against the weight-read roofline, rows/s per batch bucket.
+shapes and the FMA peak, decode tok/s against the weight-read roofline, rows/s per batch bucket. On a
+host whose fast kernels run on AMX, the fast bundles are measured once more with
+DSNEURON_FAST_NO_AMX=1 (their VDPBF16PS layer: the kernels are the runtime's, so the same bundles)
+as the column "fast, no AMX".
 Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for sizes. Both
 run children use torch's default thread count, printed with the figures. Absolute times on a
 shared machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
@@ -54,6 +57,13 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+
+def host_has_amx() -> bool:
+    """True when the fast kernels run on AMX here (kernels_nki/cpu_gemm_fast.py picks its layer)."""
+    from dsneuron.kernels_nki import cpu_gemm_fast
+
+    return cpu_gemm_fast.VARIANT == "amx"
 
 
 def _dir_bytes(path: Path) -> int:
@@ -368,6 +378,16 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
         console.print(f"measuring the bundle ({mode} numerics) ...")
         modes[mode] = {"compile_cold_s": cold_m["seconds"], "compiled": _child("bundle", {**args, "bundle": str(work / f"bundle-{mode}")}),
                        "decode_step_s": batch_steps(mode, cold_m["cache"], f"bundle-batches-{mode}")}
+        if mode == "fast" and host_has_amx():
+            # the kernels are the runtime's: the same bundles, measured again on the VDPBF16PS layer
+            console.print("measuring the fast bundles without AMX (DSNEURON_FAST_NO_AMX=1) ...")
+            no_amx = {"DSNEURON_FAST_NO_AMX": "1"}
+            batches_b = work / "bundle-batches-fast"
+            modes["fast, no AMX"] = {
+                "compile_cold_s": cold_m["seconds"],
+                "compiled": _child("bundle", {**args, "bundle": str(work / "bundle-fast")}, no_amx),
+                "decode_step_s": _child("batches", {"bundle": str(batches_b), "repeats": max(repeats, 5)}, no_amx)[
+                    "decode_step_s"] if batch_sizes else {}}
     long = len(prompts[-1])
     flops = sum(count_flops(model_cfg, Parallel(1, 1), compile_cfg.max_seq_len,
                             PlannedBucket("prefill", 1, long, compile_cfg.max_seq_len))[0])
