@@ -24,7 +24,7 @@ from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
-from dsneuron.runtime_min.schema import PROBE_PREFIX, engram_columns
+from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest

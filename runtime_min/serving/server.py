@@ -3,8 +3,8 @@
     serve(session, host="127.0.0.1", port=8000, max_queue=128, api_key=None, model_name="artifacts",
           limits=Limits())
 
-Endpoints (OpenAI API reference; runtime_min/openai_protocol.py for the bodies):
-GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/chat.py: the
+Endpoints (OpenAI API reference; runtime_min/serving/openai_protocol.py for the bodies):
+GET /v1/models, POST /v1/completions, POST /v1/chat/completions (runtime_min/serving/chat.py: the
 DeepSeek-V4 chat format), `stream: true` as server-sent events; GET /health (200; 503 once
 draining, for an in-process drain: SIGTERM closes the socket); GET /metrics (Prometheus text: queue length, running rows, prompt and generated
 tokens, finished requests by reason, rejected requests by status, time to first token, inter-token
@@ -12,14 +12,14 @@ latency and request latency histograms; with a prefix cache its lookups, hits, m
 evictions, bytes and entries, as dsneuron_prefix_cache_*).
 
 Prefix cache (--prefix-cache-gib, `prefix_cache_bytes`): a request starts from the state after the
-longest cached prefix of its prompt and prefills only the rest (runtime_min/scheduler.py), with the
+longest cached prefix of its prompt and prefills only the rest (runtime_min/core/scheduler.py), with the
 output it gets without the cache, bit for bit. Off for a sharded bundle (every rank's cache would
 have to evict as rank 0's does).
 
-Chat requests may carry tools, thinking mode and response_format (runtime_min/openai_protocol.py):
-the prompt is rendered by runtime_min/chat.py, the reply split into content, reasoning and tool
-calls by runtime_min/dsml.py, and a JSON or forced tool-call reply constrained by
-runtime_min/grammar.py (one xgrammar compiler a server, a matcher a request).
+Chat requests may carry tools, thinking mode and response_format (runtime_min/serving/openai_protocol.py):
+the prompt is rendered by runtime_min/serving/chat.py, the reply split into content, reasoning and tool
+calls by runtime_min/serving/dsml.py, and a JSON or forced tool-call reply constrained by
+runtime_min/serving/grammar.py (one xgrammar compiler a server, a matcher a request).
 
 Limits (`Limits`, the `serve` flags), each answered with a 4xx naming the flag before anything is
 queued: at most --max-header-count request headers of --max-header-bytes bytes in all (431), the
@@ -28,8 +28,8 @@ still running --request-timeout seconds after it arrived is ended ("abort"): a w
 answered 408, a stream gets an error event naming the limit. A stream silent for --sse-keepalive
 seconds (a long prefill, a full queue) gets an SSE comment line, so proxies keep it open.
 
-Requests become runtime_min/scheduler.py Requests, stepped by one engine thread (runtime_min/engine.py); each
-HTTP request waits on an asyncio queue that the engine's listener fills. Errors answer in the
+Requests become runtime_min/core/scheduler.py Requests, stepped by one engine thread
+(runtime_min/serving/engine.py); each HTTP request waits on an asyncio queue that the engine's listener fills. Errors answer in the
 OpenAI format ({"error": {message, type, param, code}}): 400 for a bad body (malformed JSON, a
 body over MAX_BODY bytes, a bad field, a prompt or max_tokens past the context), 401 for a
 missing or wrong API key (the /v1 routes, when a key is set), 404 for an unknown path or model,
@@ -70,13 +70,13 @@ from starlette.exceptions import HTTPException
 
 from dsneuron import UserError
 
+from ..core.scheduler import QueueFull, Request, RequestError
+from ..session import Session
 from . import chat
+from .engine import Channel, Closed, Engine, follow
 from .grammar import GrammarError, Grammars
 from .openai_protocol import (ChatChoice, ChatRequest, CompletionRequest, ProtocolError, Reply, parse, prompt_lists,
                               usage)
-from .engine import Channel, Closed, Engine, follow
-from .scheduler import QueueFull, Request, RequestError
-from .session import Session
 
 log = logging.getLogger("dsneuron.serve")
 
@@ -284,7 +284,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, limi
         return out
 
     def _grammar(body: Any):
-        """The grammar a chat reply must follow (runtime_min/grammar.py), None for free text."""
+        """The grammar a chat reply must follow (runtime_min/serving/grammar.py), None for free text."""
         schema, forced = body.json_schema(), body.forced_tool()
         if schema is None and forced is False:
             return None
@@ -429,7 +429,7 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
           limits: Limits = Limits(), prefix_cache_bytes: int = 0) -> None:
     """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
     a free one; `sock`: a socket `listen` bound already (host and port are then its);
-    prefix_cache_bytes: the prefix cache's budget (0: none; runtime_min/prefix_cache.py). ready(url) is
+    prefix_cache_bytes: the prefix cache's budget (0: none; runtime_min/core/prefix_cache.py). ready(url) is
     called once the socket listens. Raises UserError for an address that cannot be bound; after
     Ctrl-C the KeyboardInterrupt uvicorn raises again.
 

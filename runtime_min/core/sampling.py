@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     """logits fp32 [B, V] -> token ids int64 [B].
 
     allowed: bool [V] (or [B, V]), the only tokens that may be drawn (a grammar's mask,
-    runtime_min/grammar.py; at least one True a row): the others' logits are -inf first.
+    runtime_min/serving/grammar.py; at least one True a row): the others' logits are -inf first.
 
     temperature 0: argmax (the lowest id among equal maxima). Otherwise p = softmax((logits - max)
     / T) in float64 (module docstring: safe for every positive finite T); top-p keeps the smallest
@@ -61,7 +61,7 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution `sample` draws from at temperature > 0: float64 [..., V] (the softmax, the
     top-p filter, renormalised; `allowed` as in `sample`). Speculative decoding's target
-    distribution p (runtime_min/speculative.py). Raises UserError as `check_params`, and for
+    distribution p (runtime_min/core/speculative.py). Raises UserError as `check_params`, and for
     temperature 0 (greedy has no distribution to draw from)."""
     check_params(temperature, top_p)
     if temperature == 0.0:

@@ -6,8 +6,8 @@
         scheduler.step()
 
 `Session.generate` runs its prompts through a Scheduler, and `dsneuron serve` runs one in an engine
-thread (runtime_min/server.py). No HTTP here and no executable: the scheduler decides which rows
-run, the runner (runtime_min/runner.py) runs them. A request carries its own tokens, limits and
+thread (runtime_min/serving/server.py). No HTTP here and no executable: the scheduler decides which rows
+run, the runner (runtime_min/core/runner.py) runs them. A request carries its own tokens, limits and
 sampler, the scheduler keeps a bounded waiting queue and the rows of the batch buckets.
 
 One step:
@@ -26,7 +26,7 @@ One step:
    capacity holding every row's position (Runner.decode). A row is freed the moment its
    request ends, and the last row moves into its place so the active rows stay at the front.
 
-Prefix cache (runtime_min/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
+Prefix cache (runtime_min/core/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
 copy of the snapshot of its longest cached prefix and runs only the rest, as chunks
 (Runner.prefill_job); the whole prompt counts only from a snapshot that kept the logits after its
 last token (a prompt sent again: no executable call, the first token sampled from those logits),
@@ -68,8 +68,8 @@ import torch
 
 from dsneuron import UserError
 
+from ..executors.collectives import collective_seconds
 from . import select
-from .collectives import collective_seconds
 from .prefix_cache import PrefixCache
 from .runner import PrefillJob, Runner, State
 from .sampling import check_params, check_seed, sample
@@ -131,7 +131,7 @@ class GenerationStats:
     (encoding and bucket choice included); decode_steps / decode_s: the decode steps after the
     prefills; decode_tokens: the rows they decoded, summed over the steps; tokens_per_s:
     decode_tokens / decode_s; collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
-    (runtime_min/collectives.py collective_seconds; 0 for one process).
+    (runtime_min/executors/collectives.py collective_seconds; 0 for one process).
     """
 
     prompt_tokens: int
@@ -177,9 +177,9 @@ class QueueFull(UserError):
 @dataclass(eq=False)
 class Request:
     """One generation. prompt_ids: token ids (BOS included when wanted, `Session.encode`);
-    max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/sampling.py (seed
+    max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/core/sampling.py (seed
     None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty);
-    constraint: what may be sampled next, e.g. a runtime_min/grammar.py Constraint (`allowed()`:
+    constraint: what may be sampled next, e.g. a runtime_min/serving/grammar.py Constraint (`allowed()`:
     bool [V] mask; `accept(token)` after each token but EOS), None for any token.
 
     Filled in as it runs: `generated` (token ids, EOS excluded), `text` (final text so far),
