@@ -115,6 +115,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="dsneuron-engine", daemon=True)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, perf_counter of the last)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the other ranks of a sharded bundle follow this engine's steps."""
+        return self._channel is not None
+
     def start(self) -> None:
         self._thread.start()
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import APIRouter, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -85,6 +85,8 @@ log = logging.getLogger("dsneuron.serve")
 MAX_BODY = 4 * 2**20
 #: seconds between checks that a client waiting for a whole (non-streamed) response is still there
 POLL_S = 0.25
+
+
 @dataclass(frozen=True)
 class Limits:
     """The per-request limits of a server (module docstring): max_headers (count), max_header_bytes
@@ -129,137 +131,59 @@ class HeaderLimits:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, limits: Limits = Limits(),
-               request_hook: Callable[[Request], None] | None = None) -> FastAPI:
-    """The FastAPI app of `engine` serving `model_name` (module docstring). request_hook: called
-    with each Request before it is queued (tests script what a request samples through it)."""
-    app = FastAPI(title="dsneuron", docs_url=None, redoc_url=None, openapi_url=None)
-    session = engine.session
-    metrics = engine.metrics
-    app.add_middleware(HeaderLimits, limits=limits, on_reject=lambda status: metrics.rejected.labels(str(status)).inc())
-    grammars = Grammars(session.tokenizer, session.vocab_size, session.manifest.tokenizer.eos_token_id)
+@dataclass
+class Served:
+    """What one app serves, kept as `app.state.served` for the routes: the engine, the model name
+    clients send, the API key (None: no key asked), the limits, the grammar compiler of the bundle's
+    tokenizer, the tokenizer without special-token parsing (runtime_min/serving/chat.py
+    plain_tokenizer), the app's start (the model card's `created`) and the request hook
+    (`create_app`)."""
 
-    def fail(e: ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
-        metrics.rejected.labels(str(e.status)).inc()
+    engine: Engine
+    model_name: str
+    api_key: str | None
+    limits: Limits
+    grammars: Grammars
+    plain: Any
+    started: float
+    request_hook: Callable[[Request], None] | None = None
+
+    @property
+    def session(self) -> Session:
+        return self.engine.session
+
+    def fail(self, e: ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
+        """The OpenAI error response of `e`, counted as rejected."""
+        self.engine.metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return fail(ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code, type=kind))
-
-    def check_key(request: HTTPRequest) -> None:
-        if api_key is None:
+    def check_key(self, request: HTTPRequest) -> None:
+        """ProtocolError 401 unless the request carries the API key (when one is set)."""
+        if self.api_key is None:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if not (scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())):
+        if not (scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())):
             raise ProtocolError("missing or wrong API key: send the header Authorization: Bearer <key> with the "
                                 "key given to `dsneuron serve --api-key`", 401, code="invalid_api_key")
 
-    async def read_json(request: HTTPRequest) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY:
-            raise ProtocolError(f"the request body has {int(size)} bytes; the limit is {MAX_BODY} bytes", param="body",
-                                code="body_too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise ProtocolError(f"the request body exceeds the limit of {MAX_BODY} bytes", param="body",
-                                    code="body_too_large")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProtocolError(f"the request body is not valid JSON ({e})", param="body") from None
-        except RecursionError:
-            raise ProtocolError("the request body nests JSON too deeply", param="body") from None
+    def check_model(self, name: str) -> None:
+        """ProtocolError 404 unless `name` is the served model's."""
+        if name != self.model_name:
+            raise ProtocolError(f"model {name!r} does not exist: this server serves {self.model_name!r} "
+                                "(GET /v1/models)", 404, param="model", type="not_found_error", code="model_not_found")
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ProtocolError(f"model {name!r} does not exist: this server serves {model_name!r} (GET /v1/models)",
-                                404, param="model", type="not_found_error", code="model_not_found")
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "dsneuron",
+                "max_model_len": self.session.max_capacity}
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=503 if engine.draining else 200)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: HTTPRequest) -> JSONResponse:
-        try:
-            check_key(request)
-        except ProtocolError as e:
-            return fail(e)
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{name}")
-    async def model(request: HTTPRequest, name: str) -> JSONResponse:
-        try:
-            check_key(request)
-            check_model(name)
-        except ProtocolError as e:
-            return fail(e)
-        return JSONResponse(model_card())
-
-    started = time.time()
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": int(started), "owned_by": "dsneuron",
-                "max_model_len": session.max_capacity}
-
-    @app.post("/v1/completions")
-    async def completions(request: HTTPRequest) -> Response:
-        return await _generate(request, chat_kind=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: HTTPRequest) -> Response:
-        return await _generate(request, chat_kind=True)
-
-    async def _generate(request: HTTPRequest, chat_kind: bool) -> Response:
-        deadline = time.monotonic() + limits.request_timeout
-        try:
-            check_key(request)
-            try:
-                raw = await asyncio.wait_for(read_json(request), limits.request_timeout)
-            except TimeoutError:
-                raise ProtocolError(f"the request body did not arrive within {limits.request_timeout:g} s "
-                                    "(--request-timeout)", 408, param="body", code="request_timeout") from None
-            body = parse(ChatRequest if chat_kind else CompletionRequest, raw)
-            check_model(body.model)
-            prompts = _prompt_ids(body, chat_kind)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            reqs = _requests(body, prompts, chat_kind, loop, queue)
-        except ProtocolError as e:
-            return fail(e)
-        try:
-            engine.submit(reqs)
-        except RequestError as e:
-            return fail(ProtocolError(str(e), param=e.param))
-        except QueueFull as e:
-            return fail(ProtocolError(str(e), 429, type="rate_limit_error", code="queue_full"), {"Retry-After": "1"})
-        except Closed as e:
-            return fail(ProtocolError(str(e), 503, type="service_unavailable", code="shutting_down"))
-        metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        reply = Reply(model_name, chat_kind)
-        choices = [ChatChoice(body.thinking, bool(body.prompt_tools)) for _ in reqs] if chat_kind else []
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(reply, reqs, queue, include_usage, choices, deadline),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(request, reply, reqs, queue, choices, deadline)
-
-    plain = chat.plain_tokenizer(session.tokenizer)
-
-    def _prompt_ids(body: Any, chat_kind: bool) -> list[list[int]]:
+    def prompt_ids(self, body: Any, chat_kind: bool) -> list[list[int]]:
+        """The token ids of each prompt of a request body (a chat's messages rendered as one)."""
+        session = self.session
         if chat_kind:
             try:
                 return [[session.manifest.tokenizer.bos_token_id] + chat.encode(
-                    body.messages, session.tokenizer, plain, body.prompt_tools, body.thinking)]
+                    body.messages, session.tokenizer, self.plain, body.prompt_tools, body.thinking)]
             except chat.ChatError as e:
                 raise ProtocolError(str(e), param=e.param) from None
             except UnicodeEncodeError as e:
@@ -283,12 +207,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, limi
                 out.append(p)
         return out
 
-    def _grammar(body: Any):
+    def grammar(self, body: Any):
         """The grammar a chat reply must follow (runtime_min/serving/grammar.py), None for free text."""
         schema, forced = body.json_schema(), body.forced_tool()
         if schema is None and forced is False:
             return None
-        if engine._channel is not None:  # the other ranks sample without the matcher: they would diverge
+        if self.engine.sharded:  # the other ranks sample without the matcher: they would diverge
             raise ProtocolError("response_format and a forced tool_choice are not supported with a sharded bundle",
                                 param="response_format" if schema is not None else "tool_choice")
         if schema is not None and forced is not False:
@@ -296,109 +220,244 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, limi
                                 "either JSON or a tool call", param="response_format")
         try:
             if schema is not None:
-                return grammars.json_schema(schema)
-            return grammars.tool_calls(chat.functions(body.tools), None if forced is True else forced, body.thinking)
+                return self.grammars.json_schema(schema)
+            return self.grammars.tool_calls(chat.functions(body.tools), None if forced is True else forced,
+                                            body.thinking)
         except GrammarError as e:
             raise ProtocolError(str(e), param="response_format" if schema is not None else "tools") from None
         except chat.ChatError as e:
             raise ProtocolError(str(e), param=e.param) from None
 
-    def _requests(body: Any, prompts: list[list[int]], chat_kind: bool, loop, queue) -> list[Request]:
+    def requests(self, body: Any, prompts: list[list[int]], chat_kind: bool, loop, queue) -> list[Request]:
+        """One scheduler Request a prompt, its outputs put on `queue` in `loop` (Engine.listener)."""
         max_tokens = body.max_completion_tokens if chat_kind and body.max_completion_tokens is not None else body.max_tokens
-        grammar = _grammar(body) if chat_kind else None
+        grammar = self.grammar(body) if chat_kind else None
         out = []
         for i, ids in enumerate(prompts):
-            n = max_tokens if max_tokens is not None else max(1, session.max_capacity - len(ids) + 1)
+            n = max_tokens if max_tokens is not None else max(1, self.session.max_capacity - len(ids) + 1)
             seed = body.seed if body.seed is not None else secrets.randbits(64)
-            r = Request(ids, n, body.temperature, body.top_p, seed, body.stops(), listener=engine.listener(loop, queue, i),
+            r = Request(ids, n, body.temperature, body.top_p, seed, body.stops(),
+                        listener=self.engine.listener(loop, queue, i),
                         constraint=None if grammar is None else grammar.constraint())
-            if request_hook is not None:
-                request_hook(r)
+            if self.request_hook is not None:
+                self.request_hook(r)
             out.append(r)
         return out
 
-    def timed_out(reqs: list[Request]) -> ProtocolError:
+    def timed_out(self, reqs: list[Request]) -> ProtocolError:
+        """Cancel `reqs`; the 408 naming --request-timeout."""
         for r in reqs:
-            engine.cancel(r)
-        return ProtocolError(f"the request ran past the time limit of {limits.request_timeout:g} s (--request-timeout)",
-                             408, code="request_timeout")
+            self.engine.cancel(r)
+        return ProtocolError(f"the request ran past the time limit of {self.limits.request_timeout:g} s "
+                             "(--request-timeout)", 408, code="request_timeout")
 
-    async def _whole(request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue,
-                     choices: list[ChatChoice], deadline: float) -> Response:
-        try:
-            pending, checked = len(reqs), time.monotonic()
-            while pending:
-                if time.monotonic() > deadline:
-                    return fail(timed_out(reqs))
-                try:
-                    _, _, reason = await asyncio.wait_for(queue.get(), POLL_S)
-                    pending -= reason is not None
-                except TimeoutError:
-                    pass
-                if pending and time.monotonic() - checked >= POLL_S:  # tokens may come faster than POLL_S
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        for r in reqs:
-                            engine.cancel(r)
-                        return Response(status_code=499)  # nobody reads it
-        finally:
-            for r in reqs:
-                if not r.finished:
-                    engine.cancel(r)
-        failed = [r for r in reqs if r.finish_reason == "error"]
-        if failed:
-            return fail(ProtocolError(f"generation failed: {failed[0].error}", 500, type="server_error"))
-        if engine.draining and all(r.finish_reason == "abort" and r.sampled == 0 for r in reqs):
-            return fail(ProtocolError("the server shut down before this request got a row; retry it elsewhere", 503,
-                                      type="service_unavailable", code="shutting_down"))
-        out = reply.full([r.text for r in reqs], [r.finish_reason for r in reqs], total_usage(reqs), choices)
-        for c in choices:
-            if c.error:
-                log.warning("%s: malformed tool-call markup, returned as text: %s", reply.id, c.error)
-        return JSONResponse(out)
 
-    async def _stream(reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool,
-                      choices: list[ChatChoice], deadline: float) -> AsyncIterator[str]:
-        def event(obj: dict) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        try:
-            if reply.chat:
-                yield event(reply.delta_chunk(0, {"role": "assistant", "content": ""}))
-            pending = len(reqs)
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    yield event(timed_out(reqs).body())
-                    break
-                try:
-                    index, piece, reason = await asyncio.wait_for(queue.get(), min(left, limits.keepalive))
-                except TimeoutError:
-                    yield ": keepalive\n\n"
-                    continue
-                pending -= reason is not None
-                if reason == "error":
-                    yield event(ProtocolError(f"generation failed: {reqs[index].error}", 500, type="server_error").body())
-                elif not reply.chat:
-                    if piece or reason is not None:
-                        yield event(reply.chunk(index, piece, reason))
-                else:
-                    c = choices[index]
-                    for delta in c.deltas(piece) + (c.finish(reason) if reason is not None else []):
-                        yield event(reply.delta_chunk(index, delta))
-                    if reason is not None:
-                        if c.error:
-                            log.warning("%s: malformed tool-call markup, streamed as text: %s", reply.id, c.error)
-                        yield event(reply.delta_chunk(index, {}, c.reason(reason)))
-            if include_usage:
-                yield event(reply.usage_chunk(total_usage(reqs)))
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (the generator is closed) or all ended
-            for r in reqs:
-                if not r.finished:
-                    engine.cancel(r)
-
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, limits: Limits = Limits(),
+               request_hook: Callable[[Request], None] | None = None) -> FastAPI:
+    """The FastAPI app of `engine` serving `model_name` (module docstring): the routes of `router`
+    over a `Served`. request_hook: called with each Request before it is queued (tests script what
+    a request samples through it)."""
+    app = FastAPI(title="dsneuron", docs_url=None, redoc_url=None, openapi_url=None)
+    session = engine.session
+    app.state.served = Served(engine, model_name, api_key, limits,
+                              Grammars(session.tokenizer, session.vocab_size, session.manifest.tokenizer.eos_token_id),
+                              chat.plain_tokenizer(session.tokenizer), time.time(), request_hook)
+    app.add_middleware(HeaderLimits, limits=limits,
+                       on_reject=lambda status: engine.metrics.rejected.labels(str(status)).inc())
+    app.add_exception_handler(HTTPException, http_error)
+    app.include_router(router)
     return app
+
+
+def served(request: HTTPRequest) -> Served:
+    """The `Served` of the app a request came to."""
+    return request.app.state.served
+
+
+async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
+    """Starlette's HTTP errors (an unknown path, a wrong method) in the OpenAI error format."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return served(request).fail(ProtocolError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code,
+                                              type=kind))
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: HTTPRequest) -> Response:
+    return Response(status_code=503 if served(request).engine.draining else 200)
+
+
+@router.get("/metrics")
+async def prometheus(request: HTTPRequest) -> Response:
+    return Response(generate_latest(served(request).engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: HTTPRequest) -> JSONResponse:
+    s = served(request)
+    try:
+        s.check_key(request)
+    except ProtocolError as e:
+        return s.fail(e)
+    return JSONResponse({"object": "list", "data": [s.model_card()]})
+
+
+@router.get("/v1/models/{name}")
+async def model(request: HTTPRequest, name: str) -> JSONResponse:
+    s = served(request)
+    try:
+        s.check_key(request)
+        s.check_model(name)
+    except ProtocolError as e:
+        return s.fail(e)
+    return JSONResponse(s.model_card())
+
+
+@router.post("/v1/completions")
+async def completions(request: HTTPRequest) -> Response:
+    return await _generate(request, chat_kind=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: HTTPRequest) -> Response:
+    return await _generate(request, chat_kind=True)
+
+
+async def read_json(request: HTTPRequest) -> Any:
+    """The request body as JSON; ProtocolError for a body over MAX_BODY bytes or one that is not JSON."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY:
+        raise ProtocolError(f"the request body has {int(size)} bytes; the limit is {MAX_BODY} bytes", param="body",
+                            code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY:
+            raise ProtocolError(f"the request body exceeds the limit of {MAX_BODY} bytes", param="body",
+                                code="body_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request body is not valid JSON ({e})", param="body") from None
+    except RecursionError:
+        raise ProtocolError("the request body nests JSON too deeply", param="body") from None
+
+
+async def _generate(request: HTTPRequest, chat_kind: bool) -> Response:
+    s = served(request)
+    timeout = s.limits.request_timeout
+    deadline = time.monotonic() + timeout
+    try:
+        s.check_key(request)
+        try:
+            raw = await asyncio.wait_for(read_json(request), timeout)
+        except TimeoutError:
+            raise ProtocolError(f"the request body did not arrive within {timeout:g} s (--request-timeout)", 408,
+                                param="body", code="request_timeout") from None
+        body = parse(ChatRequest if chat_kind else CompletionRequest, raw)
+        s.check_model(body.model)
+        prompts = s.prompt_ids(body, chat_kind)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs = s.requests(body, prompts, chat_kind, loop, queue)
+    except ProtocolError as e:
+        return s.fail(e)
+    try:
+        s.engine.submit(reqs)
+    except RequestError as e:
+        return s.fail(ProtocolError(str(e), param=e.param))
+    except QueueFull as e:
+        return s.fail(ProtocolError(str(e), 429, type="rate_limit_error", code="queue_full"), {"Retry-After": "1"})
+    except Closed as e:
+        return s.fail(ProtocolError(str(e), 503, type="service_unavailable", code="shutting_down"))
+    s.engine.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    reply = Reply(s.model_name, chat_kind)
+    choices = [ChatChoice(body.thinking, bool(body.prompt_tools)) for _ in reqs] if chat_kind else []
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(s, reply, reqs, queue, include_usage, choices, deadline),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _whole(s, request, reply, reqs, queue, choices, deadline)
+
+
+async def _whole(s: Served, request: HTTPRequest, reply: Reply, reqs: list[Request], queue: asyncio.Queue,
+                 choices: list[ChatChoice], deadline: float) -> Response:
+    engine = s.engine
+    try:
+        pending, checked = len(reqs), time.monotonic()
+        while pending:
+            if time.monotonic() > deadline:
+                return s.fail(s.timed_out(reqs))
+            try:
+                _, _, reason = await asyncio.wait_for(queue.get(), POLL_S)
+                pending -= reason is not None
+            except TimeoutError:
+                pass
+            if pending and time.monotonic() - checked >= POLL_S:  # tokens may come faster than POLL_S
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    for r in reqs:
+                        engine.cancel(r)
+                    return Response(status_code=499)  # nobody reads it
+    finally:
+        for r in reqs:
+            if not r.finished:
+                engine.cancel(r)
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    if failed:
+        return s.fail(ProtocolError(f"generation failed: {failed[0].error}", 500, type="server_error"))
+    if engine.draining and all(r.finish_reason == "abort" and r.sampled == 0 for r in reqs):
+        return s.fail(ProtocolError("the server shut down before this request got a row; retry it elsewhere", 503,
+                                    type="service_unavailable", code="shutting_down"))
+    out = reply.full([r.text for r in reqs], [r.finish_reason for r in reqs], total_usage(reqs), choices)
+    for c in choices:
+        if c.error:
+            log.warning("%s: malformed tool-call markup, returned as text: %s", reply.id, c.error)
+    return JSONResponse(out)
+
+
+async def _stream(s: Served, reply: Reply, reqs: list[Request], queue: asyncio.Queue, include_usage: bool,
+                  choices: list[ChatChoice], deadline: float) -> AsyncIterator[str]:
+    def event(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    try:
+        if reply.chat:
+            yield event(reply.delta_chunk(0, {"role": "assistant", "content": ""}))
+        pending = len(reqs)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                yield event(s.timed_out(reqs).body())
+                break
+            try:
+                index, piece, reason = await asyncio.wait_for(queue.get(), min(left, s.limits.keepalive))
+            except TimeoutError:
+                yield ": keepalive\n\n"
+                continue
+            pending -= reason is not None
+            if reason == "error":
+                yield event(ProtocolError(f"generation failed: {reqs[index].error}", 500, type="server_error").body())
+            elif not reply.chat:
+                if piece or reason is not None:
+                    yield event(reply.chunk(index, piece, reason))
+            else:
+                c = choices[index]
+                for delta in c.deltas(piece) + (c.finish(reason) if reason is not None else []):
+                    yield event(reply.delta_chunk(index, delta))
+                if reason is not None:
+                    if c.error:
+                        log.warning("%s: malformed tool-call markup, streamed as text: %s", reply.id, c.error)
+                    yield event(reply.delta_chunk(index, {}, c.reason(reason)))
+        if include_usage:
+            yield event(reply.usage_chunk(total_usage(reqs)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (the generator is closed) or all ended
+        for r in reqs:
+            if not r.finished:
+                s.engine.cancel(r)
 
 
 def total_usage(reqs: list[Request]) -> dict:
