@@ -231,6 +231,11 @@ def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, stablehl
     return Parallel(tp, ep)
 
 
+#: `run`'s flags, by the name runtime_min/core/checks.py gives each generation parameter
+RUN_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+             "seed": "--seed"}
+
+
 @app.command("run")
 def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
@@ -258,17 +263,14 @@ def run_cmd(
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
     from dsneuron.runtime_min.bundle.bundle import is_stablehlo
-    from dsneuron.runtime_min.core.sampling import check_params, check_seed
+    from dsneuron.runtime_min.core.checks import check_generation
     from dsneuron.runtime_min.session import Session
     from dsneuron.runtime_min.sharded import launch, read_sharded
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
     # the checks that need no bundle come before its load (seconds for a large one)
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
-    check_params(temperature, top_p)
-    check_seed(seed)
+    check_generation(max_new_tokens, temperature, top_p, seed, names=RUN_FLAGS)
     if speculative_tokens < 0:
         raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
     if speculative_tokens and (draft_checkpoint is None or prompt is None):

@@ -51,10 +51,10 @@ from dsneuron import UserError
 
 from .bundle.bundle import Bundle
 from .bundle.schema import BundleError
+from .core.checks import check_context, check_generation
 from .core.prefix_cache import PrefixCache
 from .core.runner import Runner, Step
-from .core.sampling import check_params, check_seed
-from .core.scheduler import GenerationStats, Request, Scheduler, check_context
+from .core.scheduler import GenerationStats, Request, Scheduler
 
 
 @dataclass
@@ -137,8 +137,9 @@ class Session:
         torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
         receives a prompt's text as it is final. Raises UserError naming the limit for an empty
         prompt, a prompt `Runner.check_prompt_length` refuses, prompt + max_new_tokens - 1
-        beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
-        values (runtime_min/core/sampling.py).
+        beyond the context capacity (`check_context`), a max_new_tokens that is no positive
+        integer, a seed outside 0..2**64-1 or bad sampling values (runtime_min/core/checks.py
+        `check_generation`).
         """
         single = isinstance(prompts, str)
         ids = self.generate_ids([prompts] if single else list(prompts), max_new_tokens, temperature, top_p, seed, stream)
@@ -151,10 +152,7 @@ class Session:
         """As `generate`, returning the generated token ids per prompt (EOS excluded)."""
         if not prompts:
             raise UserError("no prompts given")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_params(temperature, top_p)
-        check_seed(seed)
+        check_generation(max_new_tokens, temperature, top_p, seed)
         start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         longest = max(len(x) for x in ids)
@@ -194,8 +192,7 @@ class Session:
 
         if not 1 <= k <= drafter.block:
             raise UserError(f"--speculative-tokens must be in 1..{drafter.block} (the drafter's block size), got {k}")
-        check_params(temperature, top_p)
-        check_seed(seed)
+        check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt)
         self.runner.check_prompt_length(len(ids))
         check_context(len(ids), max_new_tokens + k, self.max_capacity)

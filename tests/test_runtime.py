@@ -15,9 +15,10 @@ from stand_in import run_cli
 from dsneuron import UserError
 from dsneuron.runtime_min.bundle.schema import BundleError, TensorSpec
 from dsneuron.runtime_min.bundle.schema import SEAL, content_sha256
+from dsneuron.runtime_min.core.checks import check_context, check_params, check_seed
 from dsneuron.runtime_min.core.runner import resize_state
-from dsneuron.runtime_min.core.sampling import check_params, check_seed, sample
-from dsneuron.runtime_min.core.scheduler import TextStream, check_context
+from dsneuron.runtime_min.core.sampling import sample
+from dsneuron.runtime_min.core.scheduler import TextStream
 from dsneuron.runtime_min.session import Session
 
 
