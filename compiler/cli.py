@@ -78,7 +78,7 @@ def make_checkpoint_cmd(
 ) -> None:
     """Write a deterministic random checkpoint in the HF layout of V4.1-Flash."""
     from dsneuron.compiler.config import load_config
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
 
     model, _, _ = load_config(config)
     make_checkpoint(model, out, seed=seed, force=force, console=console)
