@@ -7,7 +7,7 @@ With --config, first compiles the config's model with one prefill bucket of --pr
 token range on the cpu target) and one decode capacity --capacity (> --prefill, so the bundle gets
 a chunk bucket there: compiler/buckets.py `with_chunks`) into --work (its compile cache kept there).
 Then, on one random prompt of --length tokens (<= the prefill bucket, so that both fit): the
-one-shot prefill (runtime_min/runner.py `Runner.prefill_job`) and the chunked prefill with chunks of
+one-shot prefill (runtime_min/core/runner.py `Runner.prefill_job`) and the chunked prefill with chunks of
 --chunk tokens (`Runner.prefill_job(ids, chunk)`: a prefill of the first chunk, then chunk buckets at the
 smallest chunk capacity holding the prompt), alternated, each warmed once, --repeats times. Prints
 the medians, tokens/s, the ratio chunked / one-shot tokens/s, and how the two logits agree (cosine;
@@ -44,7 +44,7 @@ def measure(bundle: Path, length: int, chunk: int, repeats: int) -> dict:
     """The figures of the module docstring for a prompt of `length` tokens."""
     import torch
 
-    from dsneuron.runtime_min.runner import Runner
+    from dsneuron.runtime_min.core.runner import Runner
 
     from dsneuron.compiler.compare import logit_metrics
 

@@ -13,7 +13,7 @@ Without --bundles: runs the shipped short prompt plus `--decode` teacher-forced 
 the cpu target's numerics (GEMM order "kernel", grouped-GEMM MoE) on the eager shards: once as one
 process (TP=1, every core) and once as tp processes over gloo (cores / tp threads each). Prints
 rank 0's seconds per decode token for both, the sharded run's seconds inside the collectives
-(runtime_min/collectives.py collective_seconds: transfers plus the chain's wait for the ranks
+(runtime_min/executors/collectives.py collective_seconds: transfers plus the chain's wait for the ranks
 before it), whether every step's logits are bit-identical, and whether the sharded decode is within
 TP=1 plus its collective cost (issue 17's goal). The checkpoint is compile's: `compile.checkpoint`
 or the config's seeded random one (compiler/model_steps.py checkpoint_for). The timings are only
@@ -66,7 +66,7 @@ def run(config: str, tp: int, ep: int, n_decode: int) -> dict:
 def generate_timed(session, out, prompt: str, n_decode: int, repeats: int) -> None:
     """A runtime_min/sharded.py job (and the one-process run): greedy generation of `prompt`
     `repeats` times; out("stdout", JSON) gets the tokens and the best repeat's decode steps, decode
-    seconds and collective seconds (runtime_min/scheduler.py GenerationStats)."""
+    seconds and collective seconds (runtime_min/core/scheduler.py GenerationStats)."""
     best = None
     for _ in range(repeats):
         ids = session.generate_ids([prompt], n_decode)[0]
@@ -81,8 +81,8 @@ def run_bundles(one: Path, sharded: Path, n_decode: int, repeats: int) -> dict:
     """Both bundles' decode (module docstring); returns the figures as plain data. Raises
     BundleError (a UserError) for a bundle that is not of the kind its argument names."""
     from dsneuron.compiler.default_prompts import default_prompts
-    from dsneuron.runtime_min.bundle import read_manifest
-    from dsneuron.runtime_min.schema import BundleError, rank_dir
+    from dsneuron.runtime_min.bundle.bundle import read_manifest
+    from dsneuron.runtime_min.bundle.schema import BundleError, rank_dir
     from dsneuron.runtime_min.session import Session
     from dsneuron.runtime_min.sharded import launch, read_sharded
 

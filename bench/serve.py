@@ -152,7 +152,7 @@ def decode_step_times(bundle: Path, repeats: int = 5) -> dict[int, float]:
     """Item 5 of the module docstring: {batch: median seconds of one decode step}."""
     import torch
 
-    from dsneuron.runtime_min.runner import Runner
+    from dsneuron.runtime_min.core.runner import Runner
 
     runner = Runner.load(bundle)
     out = {}
@@ -303,7 +303,7 @@ def prefix_chat(bundle: Path, history: int) -> dict[str, Any]:
     ("off", "on"), each turn's TTFT (s), text and prompt tokens, and the cache's hit tokens."""
     from tokenizers import Tokenizer
 
-    from dsneuron.runtime_min.bundle import open_bundle
+    from dsneuron.runtime_min.bundle.bundle import open_bundle
 
     tok = Tokenizer.from_file(str(open_bundle(bundle).tokenizer_file))  # the weights are the servers' to load
     words, text = WORDS * (history // len(WORDS) + 2), ""

@@ -2,7 +2,7 @@
 
     python -m dsneuron.bench.spec --bundle DIR [--checkpoint CKPT] [--k 5] [--tokens 64] [--repeats 5]
 
-On one random prompt (runtime_min/speculative.py, runtime_min/runner.py `Runner.verify`):
+On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.py `Runner.verify`):
 
 - decode: one decode step (the decode bucket), the median of --repeats;
 - verify: one verify of 1 + k tokens (the chunk bucket, padded to its length, read at every
@@ -39,7 +39,7 @@ def _median(fn, repeats: int) -> float:
 
 
 class _Oracle:
-    """TEST-ONLY drafter: the continuation `seq` after the fed token (runtime_min/speculative.py Drafter)."""
+    """TEST-ONLY drafter: the continuation `seq` after the fed token (runtime_min/core/speculative.py Drafter)."""
 
     def __init__(self, seq: list[int], block: int):
         self.seq, self.block = seq, block
@@ -62,8 +62,8 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
 
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import load_drafter
-    from dsneuron.runtime_min import speculative as sp
-    from dsneuron.runtime_min.runner import Runner
+    from dsneuron.runtime_min.core import speculative as sp
+    from dsneuron.runtime_min.core.runner import Runner
 
     r = Runner.load(bundle)
     cfg_dict = r.manifest.model_config

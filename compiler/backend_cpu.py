@@ -31,7 +31,7 @@ Flags (measured on this 2-core host):
 - no max-autotune. Other knobs (pattern matcher, constant folding, size/scalar asserts, peak-memory
   reordering, batch fusion) changed nothing measurable and keep their defaults.
 Generated code uses `-march=native`, so a package runs only on CPUs with the compiling host's ISA
-extensions; the manifest records them (runtime_min/bundle.py checks them).
+extensions; the manifest records them (runtime_min/bundle/bundle.py checks them).
 """
 
 from __future__ import annotations

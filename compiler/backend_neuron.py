@@ -4,7 +4,7 @@ NOT RUN ON HARDWARE. Everything of the SDK seam (`compile_neff`: binding the NKI
 neuronx-cc) follows the public sources cited at each step and has never been executed here (the
 Neuron SDK is not installable on this host); it is tested with a stand-in compiler and a stand-in
 for the one call that needs `nki`. The rest (flags, keys, lowering, StableHLO, the kernel adapters)
-runs here, the StableHLO on XLA:CPU (runtime_min/executor_stablehlo.py, tests/test_stablehlo.py).
+runs here, the StableHLO on XLA:CPU (runtime_min/executors/executor_stablehlo.py, tests/test_stablehlo.py).
 
 `NeffBackend` and `StableHLOBackend` (the `--stablehlo-only` compile) are the neuron side of
 compiler/compile.py's bundle loop (its `Backend` interface); everything else of a compile (export, cache, weights, tokenizer, manifest, atomic write) is that
@@ -25,7 +25,7 @@ loop's. Per bucket:
    converts the module to an HloModuleProto, and `neuronx-cc compile --framework XLA` makes the
    NEFF (aws-neuron-sdk:compiler/neuronx-cc/how-to-generate-neff.rst).
 4. The file is read back: a StableHLO module's facts (compiler.stablehlo) or the NEFF header
-   (runtime_min/neff.py): its lnc_size must be the requested --lnc, and the manifest records, per
+   (runtime_min/executors/neff.py): its lnc_size must be the requested --lnc, and the manifest records, per
    bucket, the flags and the header's lnc_size / feature_bits / version (`Manifest.compiler["neff"]`).
 
 Weights stay out of every module and NEFF: they are arguments (compiler/export.py) and live once in
@@ -63,10 +63,10 @@ from torch._library.custom_ops import OPDEFS
 
 from dsneuron.graphs.config import ConfigError
 from dsneuron.kernels_nki.neuron_adapters import BINDINGS, NkiBinding
-from dsneuron.runtime_min.bundle import NEURON_INDEX, STABLEHLO_BACKEND, host_toolchain
-from dsneuron.runtime_min.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
-from dsneuron.runtime_min.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
-from dsneuron.runtime_min.schema import BundleError
+from dsneuron.runtime_min.bundle.bundle import NEURON_INDEX, STABLEHLO_BACKEND, host_toolchain
+from dsneuron.runtime_min.bundle.schema import BundleError
+from dsneuron.runtime_min.executors.executor_neuron import SDK_DISTRIBUTIONS, sdk_versions
+from dsneuron.runtime_min.executors.neff import PRODUCT_NAME, NeffRecord, check_header, read_header
 
 from .cache import is_number
 from .export import CompileError

@@ -2,7 +2,7 @@
 
 A prefill bucket is (batch, seq_len); a decode bucket is (batch, context capacity). Each prefill
 bucket hands its state to decode at the smallest decode capacity >= its seq_len (its `capacity`); the
-runtime grows the state to a larger capacity when generation needs one (runtime_min/schema.py says
+runtime grows the state to a larger capacity when generation needs one (runtime_min/bundle/schema.py says
 how). Lists come from the config, or are generated like NxDI's autobucketing (powers of two from 128
 up to the maximum, plus the maximum), then sorted and deduplicated.
 
@@ -97,7 +97,7 @@ class BucketPlan:
         prefill length P: seq_len P tokens per call (the range of the prefill buckets when they
         take one), continuing a state of that capacity. A prompt longer than P runs as a prefill
         of its first P tokens, then chunks of up to P at the smallest capacity holding it; a
-        prompt that starts from a prefix-cache snapshot (runtime_min/prefix_cache.py) runs its
+        prompt that starts from a prefix-cache snapshot (runtime_min/core/prefix_cache.py) runs its
         rest as chunks, so the capacity P itself gets one too (tiny's only capacity)."""
         return dataclasses.replace(self, chunk_capacities=tuple(c for c in self.decode_capacities
                                                                 if c >= self.prefill_seq_lens[-1]))

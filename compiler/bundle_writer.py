@@ -36,7 +36,8 @@ from dsneuron import UserError
 from dsneuron.disk import check_free, disk_full_is_an_error
 from dsneuron.graphs import safetensors_format as sf
 from dsneuron.graphs.lazy import CHUNK_BYTES, tensor_chunks
-from dsneuron.runtime_min.schema import MANIFEST, PARALLEL, WEIGHT_SHARD_BYTES, WEIGHTS, Manifest, weight_shard_names
+from dsneuron.runtime_min.bundle.schema import (MANIFEST, PARALLEL, WEIGHT_SHARD_BYTES, WEIGHTS, Manifest,
+                                                weight_shard_names)
 
 from .cache import file_sha256, pid_alive
 

@@ -35,7 +35,7 @@ import torch
 
 from dsneuron import UserError
 from dsneuron.disk import disk_full_is_an_error
-from dsneuron.runtime_min.bundle import file_sha256
+from dsneuron.runtime_min.bundle.bundle import file_sha256
 
 ENV_VAR = "DSNEURON_CACHE_DIR"
 MARKER = "COMPLETE"

@@ -78,7 +78,7 @@ def make_checkpoint_cmd(
 ) -> None:
     """Write a deterministic random checkpoint in the HF layout of V4.1-Flash."""
     from dsneuron.compiler.config import load_config
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
 
     model, _, _ = load_config(config)
     make_checkpoint(model, out, seed=seed, force=force, console=console)
@@ -97,7 +97,7 @@ def inspect_checkpoint_cmd(
 
 def _verify_key_option() -> Any:
     """The --verify-key option of the commands that open a bundle (run, inspect, compare)."""
-    from dsneuron.runtime_min.signing import VERIFY_KEY_ENV
+    from dsneuron.runtime_min.bundle.signing import VERIFY_KEY_ENV
 
     return typer.Option(None, "--verify-key", envvar=VERIFY_KEY_ENV,
                         help="PEM public key: refuse the bundle unless it is signed by its private key and unchanged "
@@ -157,7 +157,7 @@ def compile_cmd(
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
     from dsneuron.compiler.config import check_indexer, check_numerics, checkpoint_config, load_config
-    from dsneuron.runtime_min.bundle import check_target
+    from dsneuron.runtime_min.bundle.bundle import check_target
 
     if numerics is not None:
         check_numerics(numerics, "--numerics")  # fail fast, before reading anything
@@ -169,7 +169,7 @@ def compile_cmd(
     else:
         check_target(target)
     if sign_key is not None:
-        from dsneuron.runtime_min.signing import check_private_key
+        from dsneuron.runtime_min.bundle.signing import check_private_key
 
         check_private_key(sign_key)
     plan_flags = {"--max-seq-len": max_seq_len, "--batch-sizes": batch_sizes, "--prefill-lens": prefill_lens,
@@ -231,6 +231,11 @@ def _parallel_flags(tp: int, ep: int | None, target: str, probes: bool, stablehl
     return Parallel(tp, ep)
 
 
+#: `run`'s flags, by the name runtime_min/core/checks.py gives each generation parameter
+RUN_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+             "seed": "--seed"}
+
+
 @app.command("run")
 def run_cmd(
     bundle: Path = typer.Argument(..., help="bundle folder written by `dsneuron compile`"),
@@ -257,18 +262,15 @@ def run_cmd(
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
-    from dsneuron.runtime_min.bundle import is_stablehlo
-    from dsneuron.runtime_min.sampling import check_params, check_seed
+    from dsneuron.runtime_min.bundle.bundle import is_stablehlo
+    from dsneuron.runtime_min.core.checks import check_generation
     from dsneuron.runtime_min.session import Session
     from dsneuron.runtime_min.sharded import launch, read_sharded
 
     if (prompt is None) == (prompts_file is None):
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
     # the checks that need no bundle come before its load (seconds for a large one)
-    if max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
-    check_params(temperature, top_p)
-    check_seed(seed)
+    check_generation(max_new_tokens, temperature, top_p, seed, names=RUN_FLAGS)
     if speculative_tokens < 0:
         raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
     if speculative_tokens and (draft_checkpoint is None or prompt is None):
@@ -299,7 +301,7 @@ def run_cmd(
 def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_new_tokens: int, temperature: float,
                      top_p: float, seed: Optional[int], stats: bool, k: int, draft_checkpoint: Path) -> None:
     """`run --speculative-tokens K`: one prompt, DSpark (graphs/dspark.py, eager) drafting K tokens a
-    step from `draft_checkpoint`'s mtp.* weights, the bundle verifying (runtime_min/speculative.py)."""
+    step from `draft_checkpoint`'s mtp.* weights, the bundle verifying (runtime_min/core/speculative.py)."""
     import time
 
     from dsneuron.graphs.config import ModelConfig
@@ -420,7 +422,7 @@ def serve_cmd(
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) with continuous batching over its batch buckets; SIGTERM drains and exits 0."""
-    from dsneuron.runtime_min.server import Limits
+    from dsneuron.runtime_min.serving.server import Limits
     from dsneuron.runtime_min.sharded import read_sharded
 
     limits = Limits(max_header_count, max_header_bytes, request_timeout, sse_keepalive)
@@ -443,7 +445,7 @@ def serve_cmd(
            "grace": grace_period, "limits": limits, "prefix_cache_bytes": int(prefix_cache_gib * 2**30)}
     sharded = read_sharded(bundle)
     if sharded is None:
-        from dsneuron.runtime_min.server import listen
+        from dsneuron.runtime_min.serving.server import listen
         from dsneuron.runtime_min.session import Session
 
         sock = listen(host, port)  # before the load, which can take minutes: a taken port fails at once
@@ -456,8 +458,8 @@ def serve_cmd(
 
 def serve_job(session, out, **kwargs) -> None:
     """What `dsneuron serve` does with a loaded Session (every rank of a sharded bundle: rank 0
-    serves, the others follow its steps; runtime_min/server.py)."""
-    from dsneuron.runtime_min.server import serve
+    serves, the others follow its steps; runtime_min/serving/server.py)."""
+    from dsneuron.runtime_min.serving.server import serve
 
     serve(session, ready=lambda url: out("stderr", f"serving {kwargs['model_name']} at {url}/v1 (Ctrl-C or "
                                                    "SIGTERM to stop)"), **kwargs)
@@ -548,8 +550,8 @@ def sign_cmd(
     key: Path = typer.Option(..., "--key", help="PEM elliptic-curve private key (P-256/384/521)"),
 ) -> None:
     """Sign an existing bundle (OpenSSF model-signing, key-based): writes its signature.sig."""
-    from dsneuron.runtime_min.bundle import open_bundle
-    from dsneuron.runtime_min.signing import check_private_key, sign_bundle
+    from dsneuron.runtime_min.bundle.bundle import open_bundle
+    from dsneuron.runtime_min.bundle.signing import check_private_key, sign_bundle
 
     check_private_key(key)
     b = open_bundle(bundle, inspect=True)  # only a bundle that verifies as it is gets signed
@@ -565,8 +567,8 @@ def inspect_cmd(
     """Print a bundle's target, versions, signature, buckets and file sizes, then verify it (exit 2 on a problem)."""
     from rich.table import Table
 
-    from dsneuron.runtime_min.bundle import open_bundle, read_manifest
-    from dsneuron.runtime_min.signing import SIGNATURE, signer_hint
+    from dsneuron.runtime_min.bundle.bundle import open_bundle, read_manifest
+    from dsneuron.runtime_min.bundle.signing import SIGNATURE, signer_hint
 
     root = Path(bundle).absolute()
     m = read_manifest(root)

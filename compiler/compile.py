@@ -33,11 +33,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
-from dsneuron.runtime_min.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.schema import (CHUNK_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION, SCHEMA_VERSION, TOKENIZER_DIR,
-                                         WEIGHT_FILES_SCHEMA_VERSION, WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError,
-                                         Manifest, StateEntry, TensorSpec, Tokenizer, bucket_file,
-                                         dtype_name, shard_record)
+from dsneuron.runtime_min.bundle.bundle import check_target, host_toolchain
+from dsneuron.runtime_min.bundle.schema import (CHUNK_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION, SCHEMA_VERSION,
+                                                TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION, WEIGHT_SHARD_BYTES, WEIGHTS,
+                                                Bucket, BundleError, Manifest, StateEntry, TensorSpec, Tokenizer,
+                                                bucket_file, dtype_name, shard_record)
 
 from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
@@ -163,7 +163,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                    weight_shard_bytes: int = WEIGHT_SHARD_BYTES, bucket_workers: int | None = None) -> Path:
     """Compile every bucket of the plan for `target` and write the bundle atomically into `out`;
     returns `out`. sign_key: a PEM elliptic-curve private key; the bundle is then signed
-    (runtime_min/signing.py) before it appears at `out`.
+    (runtime_min/bundle/signing.py) before it appears at `out`.
 
     flags: backend option overrides, part of every cache key: Inductor config keys on cpu
     (compiler/backend_cpu.py); on neuron {"target", "lnc", "args", "bucket_args"}
@@ -173,7 +173,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     cache_dir: compile cache root (default: $DSNEURON_CACHE_DIR or ~/.cache/dsneuron).
     label: what the closing line says was done (default "bundle written to <out>").
     weight_shard_bytes: the weights go into files of at most this many bytes of tensors
-    (runtime_min/schema.py Manifest.weight_files; one weights.safetensors when they fit in one).
+    (runtime_min/bundle/schema.py Manifest.weight_files; one weights.safetensors when they fit in one).
     bucket_workers: processes that export and compile single-graph buckets (default: one per core
     on neuron, 1 on cpu, whose buckets are staged).
     Raises ConfigError (bad plan or flags), BundleError (target or its tools unavailable),
@@ -185,7 +185,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     if not stablehlo_only:  # a StableHLO-only compile needs torch-mlir, not the SDK (make_backend checks it)
         check_target(target, "compile")
     if sign_key is not None:  # a bad key fails now, not after the compile
-        from dsneuron.runtime_min.signing import check_private_key
+        from dsneuron.runtime_min.bundle.signing import check_private_key
 
         check_private_key(sign_key)
     plan = plan_buckets(compile_cfg, model_cfg)
@@ -330,7 +330,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
                                CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION,
                                NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION))
-        from dsneuron.runtime_min.signing import sign_bundle
+        from dsneuron.runtime_min.bundle.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))
     # a per-token executable is copied into every bucket of its batch size: count it once

@@ -1,6 +1,6 @@
 """torch.export of one bucket's step module, with the weights turned into ordinary graph inputs.
 
-Calling convention (runtime_min/schema.py): the executable takes the weights it uses first, named
+Calling convention (runtime_min/bundle/schema.py): the executable takes the weights it uses first, named
 as in the bundle's weights.safetensors, then the step's data and state inputs. Weights are never
 baked into an executable, so one weights file serves every bucket and a weight change needs no
 recompile. The step module's parameters (and any buffer that is also a weight) are matched to the
@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from dsneuron.kernels_nki.formats import neuron_spelling as _neuron_spelling
 from dsneuron.kernels_nki.prepare import Prepare
-from dsneuron.runtime_min.schema import TensorSpec, dtype_name
+from dsneuron.runtime_min.bundle.schema import TensorSpec, dtype_name
 
 #: dtypes a float8-free graph (the neuron lowering, `export_step(neuron_spelling=True)`) may not hold
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz,
@@ -57,7 +57,7 @@ class StepGraph:
 
 @dataclass(frozen=True)
 class StageGraph:
-    """One stage of a staged bucket (runtime_min/schema.py): `graph` names its inputs and outputs
+    """One stage of a staged bucket (runtime_min/bundle/schema.py): `graph` names its inputs and outputs
     by wiring name; stages of one `kind` in one bucket trace to the same graph and share one
     executable (graphs/stages.py). per_token: the graph takes any token count up to the compile's
     largest (dim 1 of its token-major inputs and outputs), and every bucket of its batch size

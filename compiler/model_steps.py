@@ -14,8 +14,9 @@ import torch
 
 import dsneuron.graphs
 import dsneuron.kernels_nki
-from dsneuron.graphs import checkpoint as ckpt_io
 from dsneuron.graphs import stages, steps
+from dsneuron.graphs.checkpoint import map_checkpoint
+from dsneuron.graphs.checkpoint_make import make_checkpoint
 from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.engram import engram_layout, engram_params
 from dsneuron.graphs.kernel_weights import attach_kernel_weights, kernel_recipes
@@ -24,7 +25,7 @@ from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
-from dsneuron.runtime_min.schema import PROBE_PREFIX, engram_columns
+from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
@@ -134,7 +135,7 @@ def checkpoint_for(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_dir
     key = hashlib.sha256(json.dumps([model_cfg.to_dict(), compile_cfg.seed], sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root(cache_dir) / "checkpoints" / key
     if not (path / "model.safetensors.index.json").exists():
-        ckpt_io.make_checkpoint(model_cfg, path, seed=compile_cfg.seed, force=path.exists())
+        make_checkpoint(model_cfg, path, seed=compile_cfg.seed, force=path.exists())
     return path
 
 
@@ -163,7 +164,7 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     """
     path = checkpoint_for(model_cfg, compile_cfg, cache_dir)
     rows = engram_layout(model_cfg).num_embeddings if model_cfg.engram_layer_ids else ()
-    mapped = ckpt_io.map_checkpoint(path, model_cfg, rows)
+    mapped = map_checkpoint(path, model_cfg, rows)
     capacities = plan_buckets(compile_cfg, model_cfg).decode_capacities
     cpu = target == "cpu"
     if compile_cfg.numerics != "exact" and not cpu:

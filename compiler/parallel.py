@@ -23,7 +23,7 @@ differences into other greedy tokens: 6 of 9 steps agreed in a trial). So a shar
 process's logits bit for bit; the cost is that the row-parallel stages run one rank after the
 other. The routing, the caches and everything replicated are computed identically on every rank.
 
-The collectives are the ops of runtime_min/collectives.py, so the same shard runs eagerly in both
+The collectives are the ops of runtime_min/executors/collectives.py, so the same shard runs eagerly in both
 GEMM orders (the golden's "ascending" with the routed MoE, and the cpu target's "kernel", whose
 row-parallel GEMMs continue the previous rank's sums with `gemm_panels_acc`) and as AOTInductor
 stage executables, which call the ops through the proxy executor: tests/test_parallel.py checks
@@ -55,7 +55,7 @@ from dsneuron import UserError
 from dsneuron.graphs.config import ModelConfig
 from dsneuron.graphs.golden import Golden, check_sequence
 from dsneuron.graphs.model import Linear, Transformer
-from dsneuron.runtime_min import collectives  # noqa: F401  registers the collective ops
+from dsneuron.runtime_min.executors import collectives  # noqa: F401  registers the collective ops
 from dsneuron.runtime_min.sharded import free_port
 
 from .placement import EXPERTS, TP, VOCAB, Instance, Parallel, check_parallel, placement, vocab_rows
@@ -65,7 +65,7 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class Comm:
-    """The collectives of rank `rank` of `world`, as the ops of runtime_min/collectives.py (so that
+    """The collectives of rank `rank` of `world`, as the ops of runtime_min/executors/collectives.py (so that
     eager runs and compiled stages make the same calls). Without a process group: no-ops."""
 
     rank: int
@@ -254,7 +254,7 @@ class ShardedRun:
     """What `run_sharded` returns: rank 0's teacher-forced logits fp32 [V] per step (every rank
     has the same) and each rank's `held_bytes`. With timed=True, rank 0's seconds per decoded token
     (`decode_s`) and, of them, the seconds inside the collectives (`collective_s`, waits included:
-    runtime_min/collectives.py collective_seconds); else None."""
+    runtime_min/executors/collectives.py collective_seconds); else None."""
 
     logits: list[torch.Tensor]
     held: list[int]

@@ -1,11 +1,11 @@
 """A sharded bundle: one ordinary bundle per rank of a parallel plan, and parallel.json naming them.
 
-    parallel.json         runtime_min/schema.py ShardedManifest: tp, ep, world, each rank's manifest sha256
-    rank-<r>-of-<world>/  rank r's bundle (runtime_min/schema.py), compiled by `compile_bundle`
+    parallel.json         runtime_min/bundle/schema.py ShardedManifest: tp, ep, world, each rank's manifest sha256
+    rank-<r>-of-<world>/  rank r's bundle (runtime_min/bundle/schema.py), compiled by `compile_bundle`
 
 Each rank's bundle comes from that rank's parts (compiler/model_steps.py build_model_parts with
 `par` and `rank`): its executables hold the rank's constants (its expert ids, vocabulary rows,
-engram columns) and call the collectives of runtime_min/collectives.py, and its weights file holds
+engram columns) and call the collectives of runtime_min/executors/collectives.py, and its weights file holds
 the rank's slices only, under their checkpoint names, so nothing is re-sharded at load. A graph two
 ranks share (a replicated stage) is compiled once, through the compile cache. The whole folder is
 written atomically (compiler/bundle_writer.py): the ranks are built inside one temporary sibling,
@@ -20,8 +20,8 @@ from rich.console import Console
 
 import dsneuron
 from dsneuron.graphs.config import ModelConfig
-from dsneuron.runtime_min.bundle import file_sha256
-from dsneuron.runtime_min.schema import MANIFEST, PARALLEL, ShardedManifest, rank_dir
+from dsneuron.runtime_min.bundle.bundle import file_sha256
+from dsneuron.runtime_min.bundle.schema import MANIFEST, PARALLEL, ShardedManifest, rank_dir
 
 from .bundle_writer import BundleWriter
 from .compile import compile_bundle

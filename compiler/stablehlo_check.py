@@ -4,7 +4,7 @@
 
 For every bucket of the plan (or those named with --bucket): the neuron export (compiler/export.py
 with the neuron lowering and spelling), its StableHLO module (compiler/stablehlo.py), XLA:CPU's
-compile of the portable artifact and one execution (runtime_min/executor_stablehlo.py), each
+compile of the portable artifact and one execution (runtime_min/executors/executor_stablehlo.py), each
 timed, the module's facts (ModuleFacts: op counts, f64 / f8 / i64, the largest constant), and
 every output against the same step run eagerly by torch (`agreement`; the byte caches compared by
 their decoded values, `state_agreement`), next to the floor: the eager step with exact GEMMs
@@ -30,7 +30,7 @@ import torch
 
 from dsneuron.graphs.quant import dequantize_state
 from dsneuron.graphs.steps import state_format
-from dsneuron.runtime_min.schema import PROBE_PREFIX
+from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX
 
 from .buckets import PlannedBucket
 from .export import CompileError
@@ -149,7 +149,7 @@ def run_module(artifact: bytes, args: list[torch.Tensor], what: str) -> tuple[li
     """(outputs, compile seconds, execute seconds) of a StableHLO artifact on XLA:CPU."""
     import jax
 
-    from dsneuron.runtime_min.executor_stablehlo import compile_module, to_numpy, to_torch
+    from dsneuron.runtime_min.executors.executor_stablehlo import compile_module, to_numpy, to_torch
 
     t0 = time.perf_counter()
     exe = compile_module(artifact, what)

@@ -1,4 +1,4 @@
-"""Staged buckets (runtime_min/schema.py): one executable per stage kind and bucket, made in parallel.
+"""Staged buckets (runtime_min/bundle/schema.py): one executable per stage kind and bucket, made in parallel.
 
 A staged bucket runs its model's stages in order (graphs/stages.py); stages of one kind share one
 executable, exported from the kind's first stage and reused by every stage of that kind with its
@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import torch
 
-from dsneuron.runtime_min.schema import DATA_INPUTS, PROBE_PREFIX, Bucket, Stage, TensorSpec, bucket_file, dtype_name
+from dsneuron.runtime_min.bundle.schema import (DATA_INPUTS, PROBE_PREFIX, Bucket, Stage, TensorSpec, bucket_file,
+                                                dtype_name)
 
 from .buckets import PlannedBucket
 from .bundle_writer import BundleWriter
@@ -205,7 +206,7 @@ def run_forked(total: int, task: Callable[[int], Any], workers: int, progress: C
 
 def threaded_runtimes() -> list[str]:
     """The runtimes of this process that own threads a fork would copy in an unknown state: JAX
-    once its XLA client is up (runtime_min/executor_stablehlo.py starts it), whose own warning says
+    once its XLA client is up (runtime_min/executors/executor_stablehlo.py starts it), whose own warning says
     a fork then "will likely lead to a deadlock". torch's OpenMP pool is not one of them: the
     workers never enter it (`_worker_init`)."""
     jax = sys.modules.get("jax")

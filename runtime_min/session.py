@@ -5,12 +5,12 @@
     texts = session.generate(["a", "b"], 32, temperature=0.8, top_p=0.9, seed=1, stream=print_piece)
 
 The session is the tokenize-and-generate front: the executables and state rows are its `runner`
-(runtime_min/runner.py), which the scheduler drives.
+(runtime_min/core/runner.py), which the scheduler drives.
 
 Lifecycle per call: tokenize (bundle tokenizer, BOS per manifest) -> one request per prompt
-through the scheduler (runtime_min/scheduler.py, the one decode loop, shared with `dsneuron
+through the scheduler (runtime_min/core/scheduler.py, the one decode loop, shared with `dsneuron
 serve`): each prompt's prefill at the smallest batch bucket, right-padded to its prefill bucket
-(first-fit, runtime_min/select.py), or, for a prompt past the largest prefill bucket in a bundle
+(first-fit, runtime_min/core/select.py), or, for a prompt past the largest prefill bucket in a bundle
 with chunk buckets, a chunked prefill (`Runner.prefill_job`: its first chunk a prefill, the others
 chunk buckets continuing the state with the numerics of decode steps), engram ids on the host
 from the manifest's parameters, state
@@ -49,12 +49,12 @@ import torch
 
 from dsneuron import UserError
 
-from .bundle import Bundle
-from .prefix_cache import PrefixCache
-from .runner import Runner, Step
-from .sampling import check_params, check_seed
-from .scheduler import GenerationStats, Request, Scheduler, check_context
-from .schema import BundleError
+from .bundle.bundle import Bundle
+from .bundle.schema import BundleError
+from .core.checks import check_context, check_generation
+from .core.prefix_cache import PrefixCache
+from .core.runner import Runner, Step
+from .core.scheduler import GenerationStats, Request, Scheduler
 
 
 @dataclass
@@ -76,7 +76,7 @@ class StepResult:
 
 
 class Session:
-    """A loaded bundle ready to generate: the tokenizer in front of its `runner` (runtime_min/runner.py,
+    """A loaded bundle ready to generate: the tokenizer in front of its `runner` (runtime_min/core/runner.py,
     the executables and state rows). Build with `Session.load(path)`."""
 
     def __init__(self, runner: Runner):
@@ -90,7 +90,7 @@ class Session:
     @classmethod
     def load(cls, path: str | Path, verify_key: str | Path | None = None,
              shard: tuple[int, int, int] | None = None) -> "Session":
-        """Open and verify the bundle at `path` (runtime_min/bundle.py; with `verify_key`, its
+        """Open and verify the bundle at `path` (runtime_min/bundle/bundle.py; with `verify_key`, its
         signature too), load weights and tokenizer. Executables load on first use. shard: (tp, ep,
         rank) when this process is one rank of a sharded bundle (runtime_min/sharded.py). Raises
         BundleError naming the first problem."""
@@ -137,8 +137,9 @@ class Session:
         torch.Generator seeded with `seed` (fresh entropy when None). `stream(index, piece)`
         receives a prompt's text as it is final. Raises UserError naming the limit for an empty
         prompt, a prompt `Runner.check_prompt_length` refuses, prompt + max_new_tokens - 1
-        beyond the context capacity (`check_context`), a seed outside 0..2**64-1 or bad sampling
-        values (runtime_min/sampling.py).
+        beyond the context capacity (`check_context`), a max_new_tokens that is no positive
+        integer, a seed outside 0..2**64-1 or bad sampling values (runtime_min/core/checks.py
+        `check_generation`).
         """
         single = isinstance(prompts, str)
         ids = self.generate_ids([prompts] if single else list(prompts), max_new_tokens, temperature, top_p, seed, stream)
@@ -151,10 +152,7 @@ class Session:
         """As `generate`, returning the generated token ids per prompt (EOS excluded)."""
         if not prompts:
             raise UserError("no prompts given")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_params(temperature, top_p)
-        check_seed(seed)
+        check_generation(max_new_tokens, temperature, top_p, seed)
         start = time.perf_counter()
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         longest = max(len(x) for x in ids)
@@ -186,16 +184,15 @@ class Session:
 
     def generate_speculative(self, prompt: str, max_new_tokens: int, drafter, k: int, temperature: float = 0.0,
                              top_p: float = 1.0, seed: int | None = None):
-        """One prompt by speculative decoding (runtime_min/speculative.py) with `drafter` proposing k
+        """One prompt by speculative decoding (runtime_min/core/speculative.py) with `drafter` proposing k
         tokens a step, the bundle verifying them (`Runner.verify`: a cpu bundle with a chunk bucket
         of batch 1); stops at max_new_tokens or EOS. Returns (text, SpecStats). Raises UserError as
         `generate_ids`, and for k outside 1..drafter.block."""
-        from .speculative import RunnerTarget, generate
+        from .core.speculative import RunnerTarget, generate
 
         if not 1 <= k <= drafter.block:
             raise UserError(f"--speculative-tokens must be in 1..{drafter.block} (the drafter's block size), got {k}")
-        check_params(temperature, top_p)
-        check_seed(seed)
+        check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt)
         self.runner.check_prompt_length(len(ids))
         check_context(len(ids), max_new_tokens + k, self.max_capacity)

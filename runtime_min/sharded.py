@@ -1,4 +1,4 @@
-"""Running a sharded bundle (runtime_min/schema.py ShardedManifest): one process per rank.
+"""Running a sharded bundle (runtime_min/bundle/schema.py ShardedManifest): one process per rank.
 
 `read_sharded(root)` reads parallel.json and checks every rank folder's manifest.json against the
 sha256 it records, before any rank starts. `launch(root, sharded, job, kwargs)` then runs the ranks:
@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from dsneuron import UserError
 
-from .bundle import file_sha256
-from .schema import MANIFEST, PARALLEL, BundleError, ShardedManifest, rank_dir
+from .bundle.bundle import file_sha256
+from .bundle.schema import MANIFEST, PARALLEL, BundleError, ShardedManifest, rank_dir
 
 #: out(stream, text): rank 0's output, stream "stdout" or "stderr"
 Out = Callable[[str, str], None]

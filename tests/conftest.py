@@ -30,7 +30,7 @@ def micro_checkpoint(tmp_path_factory: pytest.TempPathFactory, micro_cfg: ModelC
 
     Read-only for tests: a test that corrupts a checkpoint works on a copy or on symlinks to it.
     """
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
 
     return make_checkpoint(micro_cfg, tmp_path_factory.mktemp("ckpt") / "micro", seed=0)
 

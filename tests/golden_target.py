@@ -1,4 +1,4 @@
-"""The eager golden model as the speculative loop's Target (runtime_min/speculative.py): the
+"""The eager golden model as the speculative loop's Target (runtime_min/core/speculative.py): the
 reference the runner's verify is checked against in tests/test_speculative.py."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import torch
 
 from dsneuron.graphs.context import Capture
 from dsneuron.graphs.dspark import logits_from_capture, main_hidden_from_capture
-from dsneuron.runtime_min.speculative import Verified
+from dsneuron.runtime_min.core.speculative import Verified
 
 
 class GoldenTarget:
-    """The eager golden (graphs/golden.py Golden) as runtime_min/speculative.py's Target: prefill
+    """The eager golden (graphs/golden.py Golden) as runtime_min/core/speculative.py's Target: prefill
     and verify are graphs/steps.py prefill / prefill_chunk with a Capture, read at every position
     (`logits_from_capture`, `main_hidden_from_capture`); commit replays the kept tokens as a chunk
     from the verify's input state. State: (state tensors, each row's token history for the engram

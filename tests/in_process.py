@@ -1,4 +1,4 @@
-"""An in-process `dsneuron serve` for tests that reach into it: the app of runtime_min/server.py on
+"""An in-process `dsneuron serve` for tests that reach into it: the app of runtime_min/serving/server.py on
 uvicorn in a thread, at 127.0.0.1 on a free port, with create_app's request_hook as the test hook
 that scripts what a request samples (with random weights a model writes no tool-call markup)."""
 
@@ -35,11 +35,11 @@ class Script:
 
 @contextmanager
 def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_bytes: int = 0, **limits):
-    """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/server.py
+    """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/serving/server.py
     Limits fields; prefix_cache_bytes: its prefix cache, 0 for none) whose requests sample `script`
     (when given), `delay` seconds a token; yields (base URL, the Requests it queued)."""
-    from dsneuron.runtime_min.engine import Engine
-    from dsneuron.runtime_min.server import Limits, create_app
+    from dsneuron.runtime_min.serving.engine import Engine
+    from dsneuron.runtime_min.serving.server import Limits, create_app
 
     seen = []
 
@@ -61,7 +61,7 @@ def running(engine, app):
     base URL and stops both (the server's thread joined) when the block ends."""
     import uvicorn
 
-    from dsneuron.runtime_min.server import listen
+    from dsneuron.runtime_min.serving.server import listen
 
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -67,7 +67,7 @@ def test_bundle_moved_to_another_folder_loads_and_computes_the_same(micro_bundle
 
 
 def test_more_prompts_than_the_largest_batch_run_one_after_the_other(session):
-    """micro_bundle has batch 1 only: the second prompt waits for the row (runtime_min/scheduler.py)."""
+    """micro_bundle has batch 1 only: the second prompt waits for the row (runtime_min/core/scheduler.py)."""
     assert session.generate(["one", "two"], 2) == [session.generate("one", 2), session.generate("two", 2)]
 
 

@@ -1,4 +1,4 @@
-"""Bucket planning (compiler/buckets.py) and bucket selection / padding (runtime_min/select.py)."""
+"""Bucket planning (compiler/buckets.py) and bucket selection / padding (runtime_min/core/select.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dsneuron import UserError
 from dsneuron.compiler.buckets import generated_lengths, plan_buckets
 from dsneuron.compiler.config import CompileConfig, load_config
 from dsneuron.graphs.config import ConfigError
-from dsneuron.runtime_min import select
+from dsneuron.runtime_min.core import select
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Bundle format, verification and atomic writing: runtime_min/schema.py, runtime_min/bundle.py,
+"""Bundle format, verification and atomic writing: runtime_min/bundle/schema.py, runtime_min/bundle/bundle.py,
 compiler/bundle_writer.py, and the compile/inspect CLI on bad input (exit code 2, message names the
 problem and the limit, nothing overwritten or left half-written)."""
 
@@ -25,9 +25,10 @@ from dsneuron.compiler.bundle_writer import OutputExistsError
 from dsneuron.compiler.cache import normalised_graph
 from dsneuron.compiler.export import CompileError, StepGraph, export_step
 from dsneuron.compiler.lower import finish, inline_mode
-from dsneuron.runtime_min.bundle import check_creator, check_toolchain, host_toolchain, missing_packages, open_bundle
-from dsneuron.runtime_min.executor_cpu import check_archive, register_custom_ops
-from dsneuron.runtime_min.schema import SCHEMA_VERSION, SEAL, BundleError, Manifest, content_sha256
+from dsneuron.runtime_min.bundle.bundle import (check_creator, check_toolchain, host_toolchain, missing_packages,
+                                                open_bundle)
+from dsneuron.runtime_min.bundle.schema import SCHEMA_VERSION, SEAL, BundleError, Manifest, content_sha256
+from dsneuron.runtime_min.executors.executor_cpu import check_archive, register_custom_ops
 from dsneuron.runtime_min.session import Session
 
 QUIET = Console(file=io.StringIO())
@@ -653,8 +654,8 @@ def test_weights_in_shards_load_as_one_file(micro_bundle, tmp_path):
     from safetensors.torch import load_file
 
     from dsneuron.compiler.bundle_writer import BundleWriter
-    from dsneuron.runtime_min.bundle import read_manifest
-    from dsneuron.runtime_min.schema import WEIGHT_FILES_SCHEMA_VERSION, WEIGHTS
+    from dsneuron.runtime_min.bundle.bundle import read_manifest
+    from dsneuron.runtime_min.bundle.schema import WEIGHT_FILES_SCHEMA_VERSION, WEIGHTS
 
     src = micro_bundle.path
     m = read_manifest(src)

@@ -24,7 +24,7 @@ from dsneuron.compiler import backend_cpu
 from dsneuron.compiler import compile as pipeline
 from dsneuron.compiler.cache import (ENV_VAR, MARKER, CompileCache, cache_key, cache_root, default_cache_dir, file_sha256,
                                      normalise_flags, normalised_graph, source_digest)
-from dsneuron.runtime_min.bundle import host_toolchain
+from dsneuron.runtime_min.bundle.bundle import host_toolchain
 
 QUIET = Console(file=io.StringIO())
 
@@ -477,7 +477,7 @@ import stand_in
 from dsneuron.compiler import backend_cpu, backend_neuron, compile as pipeline
 from dsneuron.compiler.buckets import plan_buckets
 from dsneuron.compiler.cache import cache_key, normalised_graph, pre_key
-from dsneuron.runtime_min.bundle import host_toolchain
+from dsneuron.runtime_min.bundle.bundle import host_toolchain
 kit = stand_in.make_kit(root / "kit", {"max_seq_len": 8, "decode_context_lens": [8]})
 pb = plan_buckets(kit.compile_cfg, kit.model_cfg).buckets[0]
 from types import SimpleNamespace

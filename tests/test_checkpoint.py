@@ -27,10 +27,10 @@ from rich.console import Console
 
 from dsneuron import UserError
 from dsneuron.graphs import checkpoint as ck
+from dsneuron.graphs import checkpoint_make as ckm
 from dsneuron.graphs.checkpoint_report import checkpoint_weight_stats, inspect_checkpoint, tensor_family
-from dsneuron.graphs.checkpoint import (CheckpointError, draw_tensor,
-                                        load_checkpoint, make_checkpoint, read_checkpoint_config,
-                                        validate_checkpoint)
+from dsneuron.graphs.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_config, validate_checkpoint
+from dsneuron.graphs.checkpoint_make import draw_tensor, make_checkpoint
 from dsneuron.graphs.engram import engram_layout
 from dsneuron.kernels_nki.formats import ue8m0_to_float
 from dsneuron.graphs.spec import checkpoint_spec
@@ -132,8 +132,8 @@ def test_other_seed_differs(micro_checkpoint, micro_cfg, tmp_path):
 def test_tensor_seed_is_stable():
     # sha256-based, so fixed across processes and Python versions (unlike hash())
     expected = int.from_bytes(hashlib.sha256(b"7:layers.0.attn.wq_a.weight").digest()[:8], "little") >> 1
-    assert ck.tensor_seed(7, "layers.0.attn.wq_a.weight") == expected
-    assert ck.tensor_seed(7, "a") != ck.tensor_seed(8, "a") != ck.tensor_seed(7, "b")
+    assert ckm.tensor_seed(7, "layers.0.attn.wq_a.weight") == expected
+    assert ckm.tensor_seed(7, "a") != ckm.tensor_seed(8, "a") != ckm.tensor_seed(7, "b")
 
 
 @pytest.mark.parametrize("name", ["layers.2.attn.wq_b.weight", "layers.1.ffn.experts.3.w1.weight",
@@ -146,10 +146,10 @@ def test_a_tensor_drawn_in_pieces_is_the_whole_draw(micro_cfg, name):
     spec = checkpoint_spec(micro_cfg, _rows(micro_cfg))[name]
     if spec.kind == "fp8":  # a ragged row count: the last piece ends inside a 32-row tile
         spec = dataclasses.replace(spec, shape=(100, *spec.shape[1:]))
-    whole = ck._quantized(spec, micro_cfg, draw_tensor(spec, micro_cfg, 0))
-    row_bytes = 4 * math.prod(ck._logical_shape(spec)[1:])
-    pieces = ck._stored(spec, micro_cfg, 0, piece_bytes=row_bytes * 40)  # 32-row pieces
-    assert len(pieces) == len(whole) and ck._logical_shape(spec)[0] > 32
+    whole = ckm._quantized(spec, micro_cfg, draw_tensor(spec, micro_cfg, 0))
+    row_bytes = 4 * math.prod(ckm._logical_shape(spec)[1:])
+    pieces = ckm._stored(spec, micro_cfg, 0, piece_bytes=row_bytes * 40)  # 32-row pieces
+    assert len(pieces) == len(whole) and ckm._logical_shape(spec)[0] > 32
     for (_, got), want in zip(pieces, whole):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
@@ -157,7 +157,7 @@ def test_a_tensor_drawn_in_pieces_is_the_whole_draw(micro_cfg, name):
 def test_a_streamed_shard_has_save_files_bytes(tmp_path):
     tensors = {"b.weight": torch.randn(40, 64).to(torch.float8_e4m3fn), "b.scale": torch.ones(2, 2).to(torch.float8_e8m0fnu),
                "a": torch.randn(7, dtype=torch.bfloat16), "c": torch.randn(3, 5)}
-    ck._save_shard(tensors, tmp_path / "ours.safetensors")
+    ckm._save_shard(tensors, tmp_path / "ours.safetensors")
     safetensors.torch.save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "lib.safetensors").read_bytes()
     assert (tmp_path / "ours.safetensors").stat().st_mode & 0o777 == 0o644
@@ -224,17 +224,17 @@ def test_initial_magnitudes(micro_checkpoint, micro_cfg):
     close("head.weight", "std", 1 / math.sqrt(d))
     close("layers.*.attn.wq_a.weight", "std", 1 / math.sqrt(d))
     close("layers.*.attn.wq_b.weight", "std", 1 / math.sqrt(micro_cfg.q_lora_rank))
-    close("layers.*.ffn.experts.*.w1.weight", "std", ck.SWIGLU_STD / math.sqrt(d))
-    close("layers.*.ffn.experts.*.w2.weight", "std", ck.W2_GAIN / math.sqrt(inter))
+    close("layers.*.ffn.experts.*.w1.weight", "std", ckm.SWIGLU_STD / math.sqrt(d))
+    close("layers.*.ffn.experts.*.w2.weight", "std", ckm.W2_GAIN / math.sqrt(inter))
     close("layers.*.attn_norm.weight", "mean", 1.0, 0.01)
-    close("layers.*.hc_attn_fn", "std", ck.HC_FN_GAIN / math.sqrt(micro_cfg.hc_mult * d))
+    close("layers.*.hc_attn_fn", "std", ckm.HC_FN_GAIN / math.sqrt(micro_cfg.hc_mult * d))
     assert abs(stats["layers.*.attn.attn_sink"]["mean"]) < 0.1
     assert "layers.*.attn.wq_a.scale" not in stats
 
 
 def test_hc_base_gives_the_intended_mixes():
     hc = 4
-    base = ck._hc_base_mean(hc)
+    base = ckm._hc_base_mean(hc)
     pre = torch.sigmoid(base[:hc])
     post = 2 * torch.sigmoid(base[hc:2 * hc])
     comb = torch.softmax(base[2 * hc:].view(hc, hc), dim=-1)
@@ -590,7 +590,7 @@ def test_existing_out_is_an_error_and_untouched(micro_cfg, tmp_path):
 
 
 def test_interrupted_write_leaves_nothing(micro_cfg, tmp_path, monkeypatch):
-    real = ck._save_shard
+    real = ckm._save_shard
     calls = []
 
     def failing(*args, **kwargs):
@@ -599,7 +599,7 @@ def test_interrupted_write_leaves_nothing(micro_cfg, tmp_path, monkeypatch):
             raise KeyboardInterrupt  # e.g. Ctrl-C half-way
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_save_shard", failing)
+    monkeypatch.setattr(ckm, "_save_shard", failing)
     with pytest.raises(KeyboardInterrupt):
         make_checkpoint(micro_cfg, tmp_path / "half", seed=0)
     assert len(calls) == 2 and list(tmp_path.iterdir()) == []
@@ -652,7 +652,7 @@ def test_make_checkpoint_on_a_full_disk_exits_2_and_leaves_nothing(tmp_path, mon
 
     def full(tensors, path):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(ck, "_save_shard", full)
+    monkeypatch.setattr(ckm, "_save_shard", full)
     code, _, err = _cli(monkeypatch, "make-checkpoint", "--config", "micro", "--out", str(tmp_path / "ck"))
     assert code == 2 and "disk full while writing checkpoint shard model-00001-of-" in err
     assert not (tmp_path / "ck").exists() and [p.name for p in tmp_path.iterdir()] == []

@@ -149,7 +149,7 @@ def test_staged_chunk_equals_the_chunk_step(micro_golden, decoded):
     """graphs/stages.py's chunk stages, run in order, give prefill_chunk's logits and state bit for
     bit (what the cpu target compiles)."""
     from dsneuron.graphs import stages as st
-    from dsneuron.runtime_min.schema import engram_columns
+    from dsneuron.runtime_min.bundle.schema import engram_columns
 
     ids, eng, logits, states = decoded
     m = micro_golden.model
@@ -182,7 +182,7 @@ def test_chunk_buckets_at_and_above_the_largest_prefill(micro_cfg):
 
 def test_the_refusal_names_the_context_capacity():
     from dsneuron import UserError
-    from dsneuron.runtime_min import select
+    from dsneuron.runtime_min.core import select
 
     assert select.pick_chunk_capacity([64, 256], 65) == 256
     with pytest.raises(UserError, match="prompt has 300 tokens; the context capacity of this bundle is 256 tokens"):
@@ -231,7 +231,7 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
 
 @pytest.mark.slow
 def test_a_start_from_a_prefix_snapshot_runs_chunks_bit_for_bit(chunk_session):
-    """runtime_min/runner.py prefill_job(prefix=): the rest of a 50-token prompt after the snapshot
+    """runtime_min/core/runner.py prefill_job(prefix=): the rest of a 50-token prompt after the snapshot
     of its first n tokens runs through the chunk bucket (16 tokens a call at capacity 64) and gives
     the whole prompt's logits, state and engram history bit for bit, at n = 1, 7, 16, 33 and 49."""
     from test_prefix_serving import assert_resumes_bit_for_bit
@@ -245,10 +245,10 @@ def test_a_start_from_a_prefix_snapshot_runs_chunks_bit_for_bit(chunk_session):
 
 @pytest.mark.slow
 def test_a_long_prompt_is_chunked_between_the_decode_steps_of_the_others(chunk_session):
-    """runtime_min/scheduler.py: a 50-token prompt (prefill 16, chunks 16, 16, 2) arrives while a
+    """runtime_min/core/scheduler.py: a 50-token prompt (prefill 16, chunks 16, 16, 2) arrives while a
     short request decodes on the other row: each step runs one of its calls and one decode of the
     short request, and both get the tokens they get alone."""
-    from dsneuron.runtime_min.scheduler import Request
+    from dsneuron.runtime_min.core.scheduler import Request
 
     s = chunk_session
     short, long = s.encode("Hello there"), _ids(50, 2)[0].tolist()
@@ -279,7 +279,7 @@ def test_cpu_target_long_prompt_limits_and_generation(chunk_session):
     """Up to the capacity through Session.generate (the scheduler); one token past it is refused by
     Runner.check_prompt_length and the scheduler's check, naming the capacity."""
     from dsneuron import UserError
-    from dsneuron.runtime_min.scheduler import Request, RequestError
+    from dsneuron.runtime_min.core.scheduler import Request, RequestError
 
     s = chunk_session
     s.runner.check_prompt_length(64)
@@ -300,7 +300,7 @@ def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
     scheduler; 8193 tokens are refused naming the capacity (3-11 minutes, mostly the compile)."""
     from dsneuron import UserError
     from dsneuron.bench.chunk import compile_bench_bundle
-    from dsneuron.runtime_min.scheduler import Request
+    from dsneuron.runtime_min.core.scheduler import Request
     from dsneuron.runtime_min.session import Session
 
     s = Session.load(compile_bench_bundle("tiny", 128, 8192, tmp_path))

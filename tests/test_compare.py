@@ -83,7 +83,7 @@ def test_compare_refuses_when_no_prompt_fits(micro_bundle):
 
 def test_compare_with_another_checkpoint_is_worse_than_the_floor_and_exits_1(micro_bundle, micro_cfg, tmp_path):
     """The same config with other random weights: the verdict fails and the exit code says so."""
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
 
     other = make_checkpoint(micro_cfg, tmp_path / "other", seed=5)
     prompts = tmp_path / "p.txt"

@@ -17,7 +17,7 @@ import torch
 
 from dsneuron.compiler.compare import compare_sequence, end_to_end_verdict
 from dsneuron.compiler.config import load_config
-from dsneuron.runtime_min.scheduler import Request
+from dsneuron.runtime_min.core.scheduler import Request
 from dsneuron.runtime_min.session import Session
 from in_process import TIMEOUT, client, served
 
@@ -116,7 +116,7 @@ def test_a_short_prompt_admitted_beside_a_chunked_one_leaves_it_running(fast_bun
     their snapshot: the job a chunked prefill or a resumed prefix makes) is mid-prefill when a
     short one is admitted to the other row and prefills whole; the first still finishes, and
     both get the tokens they get alone."""
-    from dsneuron.runtime_min.runner import PrefillJob
+    from dsneuron.runtime_min.core.runner import PrefillJob
 
     session = Session.load(fast_bundle)
     runner = session.runner

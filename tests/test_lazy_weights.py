@@ -445,7 +445,7 @@ def test_real_width_weights_stream_in_about_one_layer_of_memory(tmp_path):
     writing the file, in a fresh process, stays under 1.5 x the largest layer's weights + 2 GiB
     (issue 17's goal), where reading the checkpoint into memory took all of it and more
     (measured before lazy reading: 4.7 GiB; after: 0.8 GiB)."""
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
     from dsneuron.graphs.weights import model_weights
 
     cfg = real_width()

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from stand_in import run_cli
 from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
-from dsneuron.runtime_min.schema import SEAL, content_sha256
+from dsneuron.runtime_min.bundle.schema import SEAL, content_sha256
 
 
 def test_run_generates_text_from_the_bundle(micro_bundle):
@@ -50,7 +50,7 @@ def test_inspect_lists_the_stage_executables(micro_bundle):
     r = subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", "inspect", str(micro_bundle.path)],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "300"})
     assert r.returncode == 0, r.stderr
-    from dsneuron.runtime_min.bundle import read_manifest
+    from dsneuron.runtime_min.bundle.bundle import read_manifest
 
     m = read_manifest(micro_bundle.path)
     for b in m.buckets:

@@ -426,7 +426,7 @@ def test_prefill_index_list_has_the_decode_layout(golden, L, S):
 def test_tiny_logits_finite_with_a_healthy_spread(tmp_path_factory):
     """tiny at the 11-, 172- and 715-token prompt lengths (candidate filter active at 715)."""
     from dsneuron.compiler.config import load_config
-    from dsneuron.graphs.checkpoint import make_checkpoint
+    from dsneuron.graphs.checkpoint_make import make_checkpoint
     from dsneuron.graphs.golden import Golden
 
     cfg, ccfg, _ = load_config("tiny")

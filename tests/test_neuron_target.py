@@ -1,9 +1,9 @@
-"""The neuron target: NEFF header checks (runtime_min/neff.py), neuronx-cc flags and cache keys
+"""The neuron target: NEFF header checks (runtime_min/executors/neff.py), neuronx-cc flags and cache keys
 (compiler/backend_neuron.py), the fail-fast without the SDK, the bundle pipeline (one loop for both
 targets, compiler/compile.py) and the executor choice with a stand-in for the SDK seam, the NKI
 kernel adapters (kernels_nki/neuron_adapters.py) run against the NumPy stand-in of `nki` and
 compared with the torch reference ops, what a host needs to compile or only to run a neuron bundle
-(runtime_min/bundle.py), and SDK-gated tests that compile and run on Trainium.
+(runtime_min/bundle/bundle.py), and SDK-gated tests that compile and run on Trainium.
 
 Every NEFF written here is a SYNTHETIC test file: a header laid out by hand from the documented
 struct (aws-neuron-sdk:neuron-runtime/explore/work-with-neff-files.rst) in front of a small gzip'd
@@ -46,19 +46,19 @@ from dsneuron.compiler.lower import finish
 from dsneuron.kernels_nki import sim
 from dsneuron.kernels_nki.neuron_adapters import (BINDINGS, NkiBinding, call_mqa_logits, call_mqa_logits_sparse,
                                                   call_sparse_attn)
-from dsneuron.runtime_min import bundle as bundle_mod
-from dsneuron.runtime_min.bundle import missing_packages, open_bundle
-from dsneuron.runtime_min.executor_neuron import NeuronExecutor, check_sdk_versions, neff_records
-from dsneuron.runtime_min.neff import (HEADER_SIZE, NeffError, NeffRecord, check_header, host_lnc, parse_header,
-                                       read_header, verify_neff)
-from dsneuron.runtime_min.schema import SEAL, BundleError, Manifest, content_sha256
+from dsneuron.runtime_min.bundle import bundle as bundle_mod
+from dsneuron.runtime_min.bundle.bundle import missing_packages, open_bundle
+from dsneuron.runtime_min.executors.executor_neuron import NeuronExecutor, check_sdk_versions, neff_records
+from dsneuron.runtime_min.executors.neff import (HEADER_SIZE, NeffError, NeffRecord, check_header, host_lnc,
+                                                 parse_header, read_header, verify_neff)
+from dsneuron.runtime_min.bundle.schema import SEAL, BundleError, Manifest, content_sha256
 from dsneuron.runtime_min.session import Session
 
 QUIET = Console(file=io.StringIO())
 
 # Field offsets of the NEFF header, added up by hand from the documented struct (8+8+8+8+8 = 40,
 # +128 = 168, +4 = 172, +32 = 204, +16 = 220, +256 = 476, +4 = 480, +64 = 544, +8 = 552, +4 = 556,
-# + 468 bytes of padding = 1024). Independent of runtime_min/neff.py's struct format.
+# + 468 bytes of padding = 1024). Independent of runtime_min/executors/neff.py's struct format.
 U64 = {"pkg_version": 0, "header_size": 8, "data_size": 16, "neff_version_major": 24, "neff_version_minor": 32,
        "feature_bits": 544}
 U32 = {"num_tpb": 168, "requested_tpb_count": 476, "lnc_size": 552}
@@ -721,8 +721,9 @@ def test_neuron_integration_modules_have_no_unused_names():
     reporter = pytest.importorskip("pyflakes.reporter")
     root = Path(backend_neuron.__file__).parent.parent
     warnings, errors = io.StringIO(), io.StringIO()
-    for rel in ("compiler/compile.py", "compiler/backend_neuron.py", "compiler/stablehlo.py", "runtime_min/bundle.py",
-                "runtime_min/executor_stablehlo.py", "kernels_nki/neuron_adapters.py"):
+    for rel in ("compiler/compile.py", "compiler/backend_neuron.py", "compiler/stablehlo.py",
+                "runtime_min/bundle/bundle.py", "runtime_min/executors/executor_stablehlo.py",
+                "kernels_nki/neuron_adapters.py"):
         api.checkPath(str(root / rel), reporter.Reporter(warnings, errors))
     assert warnings.getvalue() + errors.getvalue() == ""
 

@@ -128,7 +128,7 @@ def _compiled_stages_rank(rank: int, world: int, args: dict) -> None:
     from dsneuron.compiler.backend_cpu import compile_cpu, effective_flags
     from dsneuron.compiler.lower import inline_mode
     from dsneuron.graphs.stages import build_stages, head_position
-    from dsneuron.runtime_min.schema import engram_columns
+    from dsneuron.runtime_min.bundle.schema import engram_columns
 
     torch.set_num_threads(1)
     if world > 1:

@@ -1,4 +1,4 @@
-"""runtime_min/prefix_cache.py: longest-prefix lookup, LRU eviction under the byte budget, counters,
+"""runtime_min/core/prefix_cache.py: longest-prefix lookup, LRU eviction under the byte budget, counters,
 thread safety; a model-free property test against a dict of prefixes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsneuron.runtime_min.prefix_cache import PrefixCache, Snapshot
+from dsneuron.runtime_min.core.prefix_cache import PrefixCache, Snapshot
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The prefix cache wired in (runtime_min/runner.py snapshot/restore/prefill_job(prefix=...),
-runtime_min/scheduler.py, `dsneuron serve --prefix-cache-gib`): a prompt started from a snapshot
+"""The prefix cache wired in (runtime_min/core/runner.py snapshot/restore/prefill_job(prefix=...),
+runtime_min/core/scheduler.py, `dsneuron serve --prefix-cache-gib`): a prompt started from a snapshot
 gives the logits, state and text it gets without the cache, bit for bit.
 
 On the micro bundle of tests/conftest.py (batch 1, prefill 16, capacity 64, no chunk bucket: the
@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 import torch
 
-from dsneuron.runtime_min.prefix_cache import PrefixCache
-from dsneuron.runtime_min.runner import Runner
-from dsneuron.runtime_min.scheduler import Request, Scheduler
+from dsneuron.runtime_min.core.prefix_cache import PrefixCache
+from dsneuron.runtime_min.core.runner import Runner
+from dsneuron.runtime_min.core.scheduler import Request, Scheduler
 from dsneuron.runtime_min.session import Session
 from in_process import client, served
 

@@ -1,4 +1,4 @@
-"""runtime_min/runner.py: the one decode primitive over rows at their positions, and the row operations.
+"""runtime_min/core/runner.py: the one decode primitive over rows at their positions, and the row operations.
 
 On the compiled stand-in bundle (tests/stand_in.py: batch bucket 2, prefill 8, capacities 8 and
 16): it has two rows, engram ids and a state tensor of each kind (sized by the capacity, or not).
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stand_in
-from dsneuron.runtime_min.runner import Executable, Runner, State
+from dsneuron.runtime_min.core.runner import Executable, Runner, State
 
 A = [1, 104, 105]  # 3 tokens: decodes at position 3
 B = [1, 120, 121, 122, 123, 124]  # 6 tokens: decodes at position 6; both within capacity 8

@@ -13,11 +13,12 @@ import torch
 import stand_in
 from stand_in import run_cli
 from dsneuron import UserError
-from dsneuron.runtime_min.sampling import check_params, check_seed, sample
-from dsneuron.runtime_min.schema import BundleError, TensorSpec
-from dsneuron.runtime_min.schema import SEAL, content_sha256
-from dsneuron.runtime_min.scheduler import TextStream, check_context
-from dsneuron.runtime_min.runner import resize_state
+from dsneuron.runtime_min.bundle.schema import BundleError, TensorSpec
+from dsneuron.runtime_min.bundle.schema import SEAL, content_sha256
+from dsneuron.runtime_min.core.checks import check_context, check_params, check_seed
+from dsneuron.runtime_min.core.runner import resize_state
+from dsneuron.runtime_min.core.sampling import sample
+from dsneuron.runtime_min.core.scheduler import TextStream
 from dsneuron.runtime_min.session import Session
 
 
@@ -143,7 +144,7 @@ def test_context_rule_edges(prompt_len, new, fits):
 
 
 def test_more_prompts_than_the_largest_batch_bucket_queue(session):
-    """3 prompts on a bundle of batch 2: the third waits for a free row (runtime_min/scheduler.py)."""
+    """3 prompts on a bundle of batch 2: the third waits for a free row (runtime_min/core/scheduler.py)."""
     assert session.generate(["a", "b", "c"], max_new_tokens=3) == [session.generate(p, max_new_tokens=3)
                                                                   for p in ("a", "b", "c")]
 

@@ -1,4 +1,4 @@
-"""runtime_min/scheduler.py: continuous batching gives each request the output it gets alone.
+"""runtime_min/core/scheduler.py: continuous batching gives each request the output it gets alone.
 
 Default suite: the compiled stand-in bundle (tests/stand_in.py: batch bucket 2, capacities 8 and
 16), so rows join, leave and move while others decode. `-m slow`: the real model (micro) with
@@ -13,7 +13,7 @@ import pytest
 
 import stand_in
 from dsneuron import UserError
-from dsneuron.runtime_min.scheduler import QueueFull, Request, RequestError, Scheduler
+from dsneuron.runtime_min.core.scheduler import QueueFull, Request, RequestError, Scheduler
 from dsneuron.runtime_min.session import Session
 
 PROMPTS = ["hi", "h\u00e9llo", "abc", "xyzw", "q", "tok"]  # 3..7 tokens with BOS (byte tokenizer)

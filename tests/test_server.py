@@ -27,9 +27,9 @@ import openai
 import pytest
 
 import stand_in
-from dsneuron.runtime_min import chat
+from dsneuron.runtime_min.serving import chat
 from in_process import client, running, served
-from dsneuron.runtime_min.scheduler import Request
+from dsneuron.runtime_min.core.scheduler import Request
 from dsneuron.runtime_min.session import Session
 
 KEY = "test-key"
@@ -135,7 +135,7 @@ def test_completion_is_the_request_alone(server, session, prompt):
 
 def test_chat_renders_the_deepseek_chat_format(server, session):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    # the chat-mode format of DeepSeek-V4's encoding/encoding_dsv4.py (runtime_min/chat.py docstring)
+    # the chat-mode format of DeepSeek-V4's encoding/encoding_dsv4.py (runtime_min/serving/chat.py docstring)
     assert chat.render(messages) == "Be brief.<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c></think>"
     ids = [session.manifest.tokenizer.bos_token_id] + session.tokenizer.encode(chat.render(messages),
                                                                              add_special_tokens=False).ids
@@ -295,8 +295,8 @@ def gated_server(session: Session, max_queue: int, step_delay: float = 0.0):
     """The server app over 127.0.0.1 in this process, its engine's steps held until `gate` is set
     (and slowed by step_delay seconds each), so queue and disconnect cases are deterministic.
     Yields (base URL, engine, gate)."""
-    from dsneuron.runtime_min.engine import Engine
-    from dsneuron.runtime_min.server import create_app
+    from dsneuron.runtime_min.serving.engine import Engine
+    from dsneuron.runtime_min.serving.server import create_app
 
     engine = Engine(session, max_queue)
     gate = threading.Event()
@@ -385,7 +385,7 @@ def test_a_client_that_disconnects_frees_its_row(session):
 
 
 def test_drain_ends_what_outlives_the_grace_period(session):
-    """What SIGTERM does (runtime_min/server.py _Server): admit nothing more, let the running
+    """What SIGTERM does (runtime_min/serving/server.py _Server): admit nothing more, let the running
     requests go on for the grace period, then end them ("abort"), their streams closed properly."""
     with gated_server(session, max_queue=8, step_delay=0.02) as (url, engine, gate):
         gate.set()
@@ -499,7 +499,7 @@ def test_bench_serve_rates_count_tokens_after_the_first():
     assert len(jobs) == 64 and all(8 <= n <= 64 and p for p, n in jobs) and len({n for _, n in jobs}) > 10
 
 
-# ------------------------------------------------------------------ limits (runtime_min/server.py Limits)
+# ------------------------------------------------------------------ limits (runtime_min/serving/server.py Limits)
 def test_header_limits_are_431_naming_the_flag_before_anything_is_queued(session):
     body = json.dumps({"model": "bundle", "prompt": "a", "max_tokens": 2}).encode()
     with served(session, max_headers=20, max_header_bytes=2048) as (url, seen):

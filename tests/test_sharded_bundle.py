@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from stand_in import run_cli
 
-from dsneuron.runtime_min.bundle import file_sha256, open_bundle, read_manifest
-from dsneuron.runtime_min.schema import MANIFEST, PARALLEL, BundleError, Manifest, ShardedManifest, rank_dir
+from dsneuron.runtime_min.bundle.bundle import file_sha256, open_bundle, read_manifest
+from dsneuron.runtime_min.bundle.schema import MANIFEST, PARALLEL, BundleError, Manifest, ShardedManifest, rank_dir
 from dsneuron.runtime_min.sharded import launch, read_sharded
 
 SHA = "ab" * 32

@@ -1,4 +1,4 @@
-"""Signed bundles (runtime_min/signing.py): sign + verify round trip, every kind of change after
+"""Signed bundles (runtime_min/bundle/signing.py): sign + verify round trip, every kind of change after
 signing refused under a verify key (weights, executable, manifest resealed, tokenizer, an added
 file, a removed file), another key refused, the signature itself truncated or edited refused, and
 the CLI paths (compile --sign-key, sign, run/inspect --verify-key and DSNEURON_VERIFY_KEY). On the
@@ -16,9 +16,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 import stand_in
 from stand_in import run_cli
-from dsneuron.runtime_min.bundle import open_bundle
-from dsneuron.runtime_min.schema import SEAL, BundleError, content_sha256
-from dsneuron.runtime_min.signing import SIGNATURE, public_key_hint, sign_bundle, signer_hint, verify_bundle
+from dsneuron.runtime_min.bundle.bundle import open_bundle
+from dsneuron.runtime_min.bundle.schema import SEAL, BundleError, content_sha256
+from dsneuron.runtime_min.bundle.signing import SIGNATURE, public_key_hint, sign_bundle, signer_hint, verify_bundle
 
 
 def _keypair(folder: Path, name: str, curve=ec.SECP256R1()) -> tuple[Path, Path]:

@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime_min/speculative.py) with DSpark (graphs/dspark.py) on the micro golden.
+"""Speculative decoding (runtime_min/core/speculative.py) with DSpark (graphs/dspark.py) on the micro golden.
 
 Greedy speculation must give plain greedy decoding's tokens, the logits each token was chosen from
 and the decode state, bit for bit: a verify is a chunk (bit-identical to its decode steps) read at
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dsneuron.graphs.steps import decode, prefill
-from dsneuron.runtime_min import speculative as sp
+from dsneuron.runtime_min.core import speculative as sp
 
 PROMPT = [5, 17, 23, 99, 1234, 40000]
 N = 5  # new tokens
@@ -349,7 +349,7 @@ def spec_runner(tmp_path_factory, micro_checkpoint):
 
     from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
     from dsneuron.compiler.config import load_config
-    from dsneuron.runtime_min.runner import Runner
+    from dsneuron.runtime_min.core.runner import Runner
 
     model_cfg, compile_cfg, _ = load_config("micro")
     compile_cfg = dataclasses.replace(compile_cfg, max_seq_len=1024, batch_sizes=(1,), prefill_seq_lens=(16,),
@@ -441,7 +441,7 @@ def test_rejection_sampling_on_micro_keeps_the_models_distribution(micro_golden,
     rejection sampler: the first emitted token follows p_0 (its 8 likeliest tokens and the rest as
     bins; chi-square at p = 1e-4). Bounded: one prefill, one draft, one verify."""
     from golden_target import GoldenTarget
-    from dsneuron.runtime_min.sampling import probabilities
+    from dsneuron.runtime_min.core.sampling import probabilities
 
     T = 0.3
     target = GoldenTarget(micro_golden)

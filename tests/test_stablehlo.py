@@ -1,4 +1,5 @@
-"""The neuron target's StableHLO (compiler/stablehlo.py), proven on this CPU with XLA (runtime_min/executor_stablehlo.py).
+"""The neuron target's StableHLO (compiler/stablehlo.py), proven on this CPU with XLA
+(runtime_min/executors/executor_stablehlo.py).
 
 Unit level: each respelling and fix-up of the lowering on a small program, executed by XLA and
 compared bit for bit with torch; the NKI kernel composite (name, attributes, decomposition) and
@@ -28,8 +29,8 @@ from stand_in import run_cli
 from dsneuron.compiler.export import CompileError
 from dsneuron.compiler.stablehlo import (COMPOSITE_PREFIX, KernelOp, TARGET_VERSION, artifact_text, lower_program,
                                          parse_module)
-from dsneuron.runtime_min.executor_stablehlo import compile_module, to_numpy, to_torch
-from dsneuron.runtime_min.schema import BundleError, Manifest
+from dsneuron.runtime_min.bundle.schema import BundleError, Manifest
+from dsneuron.runtime_min.executors.executor_stablehlo import compile_module, to_numpy, to_torch
 
 
 def _run(module, *args: torch.Tensor) -> list[torch.Tensor]:
@@ -169,7 +170,7 @@ def test_the_portable_artifact_round_trips_at_its_version():
 def test_the_executor_names_what_is_missing_without_jax(monkeypatch, tmp_path):
     import builtins
 
-    from dsneuron.runtime_min import executor_stablehlo
+    from dsneuron.runtime_min.executors import executor_stablehlo
 
     real_import = builtins.__import__
 

@@ -9,7 +9,7 @@ import torch
 
 from dsneuron.graphs import stages as st
 from dsneuron.graphs.steps import decode, prefill
-from dsneuron.runtime_min.schema import engram_columns
+from dsneuron.runtime_min.bundle.schema import engram_columns
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """`response_format` json_schema / json_object on the micro bundle (the DeepSeek-V4 tokenizer,
 random weights) through the `openai` client: every seeded sampled output parses and validates
-against its schema (runtime_min/grammar.py's mask in the scheduler's sampling), and a schema
+against its schema (runtime_min/serving/grammar.py's mask in the scheduler's sampling), and a schema
 xgrammar cannot compile is a 400 naming response_format."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""DeepSeek-V4 tool calls and thinking mode without a model: the prompt side (runtime_min/chat.py)
-against the official encoder's output, and the DSML reply parser (runtime_min/dsml.py), fuzzed.
+"""DeepSeek-V4 tool calls and thinking mode without a model: the prompt side (runtime_min/serving/chat.py)
+against the official encoder's output, and the DSML reply parser (runtime_min/serving/dsml.py), fuzzed.
 
 The expected prompts are written out from deepseek-ai/DeepSeek-V4-Flash:encoding/encoding_dsv4.py
 (`encode_messages(messages, thinking_mode)` with the request's tools on a system message put
@@ -17,7 +17,7 @@ import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dsneuron.runtime_min import chat, dsml
+from dsneuron.runtime_min.serving import chat, dsml
 from in_process import client, served
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -291,7 +291,7 @@ def test_thinking_mode_returns_reasoning_content(session):
 
 
 def test_forced_tool_choice_makes_the_random_model_call_the_tool(session):
-    """No script: the grammar (runtime_min/grammar.py) makes the random model write a call (greedy
+    """No script: the grammar (runtime_min/serving/grammar.py) makes the random model write a call (greedy
     picks no parameter here, so the call ends well within max_tokens)."""
     with served(session) as (url, _):
         for choice, names in (("required", {"get_weather", "now"}),

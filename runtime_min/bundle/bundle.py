@@ -5,11 +5,11 @@
    version are known (checked before any other field is read), every field parses, the bucket set
    is one a session can run, and its seal matches its content (schema.py: a hand-edited manifest is
    refused);
-   with a verify key, the bundle's signature checks out (runtime_min/signing.py);
+   with a verify key, the bundle's signature checks out (runtime_min/bundle/signing.py);
 2. the dsneuron that wrote it is of this runtime's release line (`check_creator`: the same
    major.minor version, any patch);
 3. the target can run here (`check_target(target, "run")`; cpu: always; neuron: torch-neuronx imports;
-   a `--stablehlo-only` neuron bundle runs its modules on XLA:CPU, runtime_min/executor_stablehlo.py,
+   a `--stablehlo-only` neuron bundle runs its modules on XLA:CPU, runtime_min/executors/executor_stablehlo.py,
    which needs jax, checked when an executable loads);
 4. the toolchain is compatible (below);
 5. every file the manifest lists exists with the recorded size and sha256, and every file the bundle
@@ -23,7 +23,7 @@ extension the compiling host had, because the generated code is built with -marc
 Python version is recorded but not checked: the executables do not link libpython.
 On the neuron target none of these host rules apply: a NEFF holds no host code and runs on the
 NeuronCores through the Neuron runtime, and a StableHLO module is compiled for this host when loaded. Its rules (the SDK release that compiled it, and each
-NEFF's header against this host's logical core size) are checked by runtime_min/executor_neuron.py
+NEFF's header against this host's logical core size) are checked by runtime_min/executors/executor_neuron.py
 when a session is made, before any NEFF is loaded.
 
 Nothing on this path unpickles: the manifest is JSON, weights are safetensors, the tokenizer is
@@ -50,7 +50,7 @@ from .schema import MANIFEST, PARALLEL, BundleError, Manifest, parse_dtype, shar
 # Import names of the Neuron SDK per use; AWS serves them from its own pip index (the PyPI packages
 # of these names are placeholders). Compiling NEFFs runs neuronx-cc (neuronxcc) on the StableHLO that
 # torch-mlir makes (a dsneuron dependency) and binds the NKI kernels (nki); running a bundle loads
-# its NEFFs through torch_neuronx alone (runtime_min/executor_neuron.py).
+# its NEFFs through torch_neuronx alone (runtime_min/executors/executor_neuron.py).
 NEURON_PACKAGES = {"compile": ("neuronxcc", "nki"), "run": ("torch_neuronx",)}
 NEURON_INDEX = "https://pip.repos.neuron.amazonaws.com"
 TARGETS = ("cpu", "neuron")
@@ -273,7 +273,7 @@ def read_manifest(root: Path) -> Manifest:
     return Manifest.from_json(text)
 
 
-#: compiler.backend of a `--stablehlo-only` neuron bundle, whose modules runtime_min/executor_stablehlo.py
+#: compiler.backend of a `--stablehlo-only` neuron bundle, whose modules runtime_min/executors/executor_stablehlo.py
 #: runs on XLA:CPU (a check of the neuron path on a host without Trainium)
 STABLEHLO_BACKEND = "stablehlo"
 
@@ -287,7 +287,7 @@ def open_bundle(path: str | Path, verify_key: str | Path | None = None, inspect:
                 shard: tuple[int, int, int] | None = None) -> Bundle:
     """Load and verify a bundle folder (module docstring); raises BundleError naming the first problem.
     verify_key: a PEM public key; the bundle must then carry a signature by its private key over
-    its files as they are (runtime_min/signing.py), checked right after the manifest parses.
+    its files as they are (runtime_min/bundle/signing.py), checked right after the manifest parses.
     inspect: open to describe or sign it, not to run it (`dsneuron inspect`, `sign`): a rank
     folder of a sharded bundle opens on its own. A StableHLO bundle's target and toolchain are not
     checked here (its executor needs only jax, checked when a module loads).

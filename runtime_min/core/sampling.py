@@ -2,7 +2,7 @@
 
 Randomness comes only from the `torch.Generator` passed in, so a seed reproduces a generation.
 
-Temperature rule: any finite T >= 0. T = 0 is greedy; any positive finite T is valid, however small
+Temperature rule (checked by runtime_min/core/checks.py check_params): any finite T >= 0. T = 0 is greedy; any positive finite T is valid, however small
 or large, because the probabilities are computed in float64 as softmax((logits - max) / T): the
 numerator is <= 0, so the quotient is at worst -inf (probability 0) and never inf or NaN. A tiny T
 therefore tends to greedy (ties shared evenly) and a huge T to the uniform distribution.
@@ -10,32 +10,11 @@ therefore tends to greedy (ties shared evenly) and a huge T to the uniform distr
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dsneuron import UserError
 
-#: seeds are taken by torch.Generator.manual_seed as an unsigned 64-bit integer
-SEED_LIMIT = 2**64
-
-
-def check_params(temperature: float, top_p: float) -> None:
-    """UserError naming the limit for a temperature that is not a finite number >= 0, or a top_p
-    outside (0, 1]."""
-    if not (temperature >= 0.0 and math.isfinite(temperature)):
-        raise UserError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"top_p must be in (0, 1], got {top_p}")
-
-
-def check_seed(seed: int | None) -> None:
-    """UserError unless `seed` is None (fresh entropy) or an integer in 0..2**64-1, the range of
-    torch.Generator.manual_seed (which would overflow above it and wrap negative seeds around)."""
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
-        raise UserError(f"seed must be an integer in 0..{SEED_LIMIT - 1} (2**64 - 1), got {seed!r}")
+from .checks import check_params
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -43,7 +22,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
     """logits fp32 [B, V] -> token ids int64 [B].
 
     allowed: bool [V] (or [B, V]), the only tokens that may be drawn (a grammar's mask,
-    runtime_min/grammar.py; at least one True a row): the others' logits are -inf first.
+    runtime_min/serving/grammar.py; at least one True a row): the others' logits are -inf first.
 
     temperature 0: argmax (the lowest id among equal maxima). Otherwise p = softmax((logits - max)
     / T) in float64 (module docstring: safe for every positive finite T); top-p keeps the smallest
@@ -61,7 +40,7 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution `sample` draws from at temperature > 0: float64 [..., V] (the softmax, the
     top-p filter, renormalised; `allowed` as in `sample`). Speculative decoding's target
-    distribution p (runtime_min/speculative.py). Raises UserError as `check_params`, and for
+    distribution p (runtime_min/core/speculative.py). Raises UserError as `check_params`, and for
     temperature 0 (greedy has no distribution to draw from)."""
     check_params(temperature, top_p)
     if temperature == 0.0:

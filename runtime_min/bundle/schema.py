@@ -16,8 +16,8 @@ Seal: manifest.json ends with `manifest_sha256`, the sha256 of the manifest's ca
 (`content_sha256`: every other field, as compact JSON with sorted keys), and the loader refuses a
 manifest whose content does not match it, naming the file as edited. Why a seal rather than a
 cross-check of the buckets against the executables: the AOTInductor package loader exposes no input
-or output shapes (only the argument count, which runtime_min/executor_cpu.py does cross-check, and
-platform metadata), the NEFF header runtime_min/neff.py reads holds none either, and most of what a
+or output shapes (only the argument count, which runtime_min/executors/executor_cpu.py does cross-check, and
+platform metadata), the NEFF header runtime_min/executors/neff.py reads holds none either, and most of what a
 hand edit breaks is not a shape at all: a decode bucket's `capacity` decides which positions the
 runtime hands that executable, and the state fills, weight names, engram hashing parameters and
 token ids must be the ones the code was compiled with and the weights were written for. None of
@@ -729,7 +729,7 @@ class ShardedManifest:
     bundle's manifest.json file, so that a rank folder swapped for another compile's is refused
     before any rank starts. Each rank bundle's manifest records the same plan and its rank in
     compiler.shard {"tp", "ep", "rank"}, so a rank folder opened on its own is refused too
-    (runtime_min/bundle.py open_bundle)."""
+    (runtime_min/bundle/bundle.py open_bundle)."""
 
     tp: int
     ep: int

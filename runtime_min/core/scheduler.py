@@ -6,8 +6,8 @@
         scheduler.step()
 
 `Session.generate` runs its prompts through a Scheduler, and `dsneuron serve` runs one in an engine
-thread (runtime_min/server.py). No HTTP here and no executable: the scheduler decides which rows
-run, the runner (runtime_min/runner.py) runs them. A request carries its own tokens, limits and
+thread (runtime_min/serving/server.py). No HTTP here and no executable: the scheduler decides which rows
+run, the runner (runtime_min/core/runner.py) runs them. A request carries its own tokens, limits and
 sampler, the scheduler keeps a bounded waiting queue and the rows of the batch buckets.
 
 One step:
@@ -26,7 +26,7 @@ One step:
    capacity holding every row's position (Runner.decode). A row is freed the moment its
    request ends, and the last row moves into its place so the active rows stay at the front.
 
-Prefix cache (runtime_min/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
+Prefix cache (runtime_min/core/prefix_cache.py; `prefix_cache`): a request's prefill starts from a
 copy of the snapshot of its longest cached prefix and runs only the rest, as chunks
 (Runner.prefill_job); the whole prompt counts only from a snapshot that kept the logits after its
 last token (a prompt sent again: no executable call, the first token sampled from those logits),
@@ -68,11 +68,12 @@ import torch
 
 from dsneuron import UserError
 
+from ..executors.collectives import collective_seconds
 from . import select
-from .collectives import collective_seconds
+from .checks import ParamError, check_generation
 from .prefix_cache import PrefixCache
 from .runner import PrefillJob, Runner, State
-from .sampling import check_params, check_seed, sample
+from .sampling import sample
 
 #: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
 MAX_STOP = 4
@@ -107,19 +108,6 @@ class TextStream:
         return piece
 
 
-def check_context(prompt_len: int, max_new_tokens: int, capacity: int, name: str = "max_new_tokens") -> None:
-    """UserError naming the limit unless a prompt of `prompt_len` tokens can generate
-    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 <= capacity
-    (module docstring: the last new token is never fed back, so it takes no position). `name`: the
-    parameter's name in the message (max_tokens for the OpenAI API)."""
-    needed = prompt_len + max_new_tokens - 1
-    if needed > capacity:
-        raise UserError(f"prompt of {prompt_len} tokens + {name} {max_new_tokens} needs {needed} positions "
-                        f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
-                        f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
-                        f"{name} <= {capacity - prompt_len + 1}")
-
-
 @dataclass
 class GenerationStats:
     """Timings of the last `Session.generate` call, in seconds (wall clock, time.perf_counter).
@@ -131,7 +119,7 @@ class GenerationStats:
     (encoding and bucket choice included); decode_steps / decode_s: the decode steps after the
     prefills; decode_tokens: the rows they decoded, summed over the steps; tokens_per_s:
     decode_tokens / decode_s; collective_s: of decode_s, the seconds inside the collectives of a sharded bundle's rank
-    (runtime_min/collectives.py collective_seconds; 0 for one process).
+    (runtime_min/executors/collectives.py collective_seconds; 0 for one process).
     """
 
     prompt_tokens: int
@@ -162,12 +150,8 @@ class GenerationStats:
                 f"time to first token {self.first_token_s:.3f} s; {decode}{load}")
 
 
-class RequestError(UserError):
+class RequestError(ParamError):
     """A request the bundle cannot run; `param` names the field at fault (OpenAI error `param`)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 class QueueFull(UserError):
@@ -177,9 +161,9 @@ class QueueFull(UserError):
 @dataclass(eq=False)
 class Request:
     """One generation. prompt_ids: token ids (BOS included when wanted, `Session.encode`);
-    max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/sampling.py (seed
+    max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/core/sampling.py (seed
     None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty);
-    constraint: what may be sampled next, e.g. a runtime_min/grammar.py Constraint (`allowed()`:
+    constraint: what may be sampled next, e.g. a runtime_min/serving/grammar.py Constraint (`allowed()`:
     bool [V] mask; `accept(token)` after each token but EOS), None for any token.
 
     Filled in as it runs: `generated` (token ids, EOS excluded), `text` (final text so far),
@@ -277,8 +261,8 @@ class Scheduler:
     def check(self, r: Request) -> None:
         """RequestError naming the field and the limit unless the bundle can run `r`: prompt ids
         within the vocabulary, as many as Runner.check_prompt_length allows (the largest prefill
-        bucket, or the context capacity where the bundle has chunk buckets), max_tokens a positive integer within
-        the context capacity (`check_context`), sampling values and seed as sampling.py,
+        bucket, or the context capacity where the bundle has chunk buckets), max_tokens, sampling
+        values and seed as checks.py `check_generation` (max_tokens within the context capacity),
         stop at most MAX_STOP non-empty strings."""
         ids = r.prompt_ids
         if not ids:
@@ -290,18 +274,11 @@ class Scheduler:
             self.runner.check_prompt_length(len(ids))
         except UserError as e:
             raise RequestError(str(e), "prompt") from None
-        if isinstance(r.max_tokens, bool) or not isinstance(r.max_tokens, int) or r.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {r.max_tokens!r}", "max_tokens")
         try:
-            check_context(len(ids), r.max_tokens, self.runner.max_capacity, name="max_tokens")
-        except UserError as e:
-            raise RequestError(str(e), "max_tokens") from None
-        for name, check in (("temperature", lambda: check_params(r.temperature, 1.0)),
-                            ("top_p", lambda: check_params(0.0, r.top_p)), ("seed", lambda: check_seed(r.seed))):
-            try:
-                check()
-            except (UserError, TypeError) as e:
-                raise RequestError(str(e), name) from None
+            check_generation(r.max_tokens, r.temperature, r.top_p, r.seed, names={"max_new_tokens": "max_tokens"},
+                             context=(len(ids), self.runner.max_capacity))
+        except ParamError as e:
+            raise RequestError(str(e), e.param) from None
         if len(r.stop) > MAX_STOP or not all(isinstance(s, str) and s for s in r.stop):
             raise RequestError(f"stop must be at most {MAX_STOP} non-empty strings, got {list(r.stop)!r}", "stop")
 

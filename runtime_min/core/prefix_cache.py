@@ -35,7 +35,7 @@ class Snapshot:
     call that fed it gave them (a prefill or chunk call), else None. A request whose whole prompt
     is a cached prefix can start only from a snapshot with logits (its first token is sampled from
     them); any shorter prefix leaves at least one token whose call gives them
-    (runtime_min/scheduler.py). nbytes: their bytes together, what the cache's budget counts.
+    (runtime_min/core/scheduler.py). nbytes: their bytes together, what the cache's budget counts.
     """
 
     state: dict[str, torch.Tensor]

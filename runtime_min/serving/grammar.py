@@ -89,7 +89,7 @@ class Grammars:
             raise GrammarError(f"response_format: the JSON schema cannot be compiled to a grammar ({_why(e)})") from None
 
     def tool_calls(self, functions: Sequence[dict], name: str | None, thinking: bool) -> "Grammar":
-        """A reply that is one DSML tool-call block (runtime_min/dsml.py) calling `name` (else any
+        """A reply that is one DSML tool-call block (runtime_min/serving/dsml.py) calling `name` (else any
         of `functions`) one or more times, after the reasoning in thinking mode. Parameter keys
         are the function's declared properties (none for `"properties": {}`, any name when it
         declares no properties); values are text without '<'. Raises GrammarError as json_schema."""

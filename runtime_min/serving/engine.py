@@ -1,7 +1,7 @@
 """The engine of `dsneuron serve`: the scheduler and the one thread that steps it, its Prometheus
 metrics, and the followers of a sharded bundle's other ranks.
 
-The HTTP routes (runtime_min/server.py) only submit and cancel requests here and read their outputs
+The HTTP routes (runtime_min/serving/server.py) only submit and cancel requests here and read their outputs
 through a listener; every change of the scheduler happens on the engine thread between two steps,
 in the order of the events. This module and prometheus_client are loaded by the `serve` command
 only (and by tests that drive an engine without HTTP).
@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dsneuron import UserError
 
-from .prefix_cache import PrefixCache
-from .scheduler import QueueFull, Request, RequestError, Scheduler
-from .session import Session
+from ..core.prefix_cache import PrefixCache
+from ..core.scheduler import QueueFull, Request, RequestError, Scheduler
+from ..session import Session
 
 log = logging.getLogger("dsneuron.serve")
 
@@ -61,7 +61,7 @@ class Metrics:
 
 
 class _PrefixCacheCollector:
-    """The prefix cache's counters (runtime_min/prefix_cache.py PrefixCache.stats) read at each
+    """The prefix cache's counters (runtime_min/core/prefix_cache.py PrefixCache.stats) read at each
     scrape: lookups and hits (vLLM counts queries and hits in tokens; here a lookup is one request's
     prompt), the prompt tokens the hits did not prefill, the bytes and entries held, evictions."""
 
@@ -114,6 +114,11 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dsneuron-engine", daemon=True)
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens counted, perf_counter of the last)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the other ranks of a sharded bundle follow this engine's steps."""
+        return self._channel is not None
 
     def start(self) -> None:
         self._thread.start()

@@ -15,7 +15,7 @@ through `RunnerTarget`, or the eager golden, tests/golden_target.py GoldenTarget
    Algorithm 1; Chen et al. 2023): draft d_i drawn from the drafter's q_i is kept with probability
    min(1, p_i(d_i) / q_i(d_i)), else the token is drawn from max(0, p_i - q_i) normalised and the
    step ends; if all are kept one more is drawn from p_{k+1}. Each emitted token then has the main
-   model's distribution p (`runtime_min/sampling.py probabilities`: temperature and top-p).
+   model's distribution p (`runtime_min/core/sampling.py probabilities`: temperature and top-p).
 4. the state returns exactly to the accepted position (`Target.commit`): the verify advanced it by
    k+1 positions, the row keeps 1+a of them.
 
@@ -244,7 +244,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 
 # ----------------------------------------------------------------------------------------- the runner
 class RunnerTarget:
-    """A compiled bundle as the `Target` (runtime_min/runner.py `Runner.verify`): prefill and verify
+    """A compiled bundle as the `Target` (runtime_min/core/runner.py `Runner.verify`): prefill and verify
     run the prefill and chunk buckets stage by stage, reading the head at every position and the
     stream entering each DSpark target layer (the cpu target's staged buckets); commit replays the
     kept tokens from the verify's input state when a row rejected a draft."""

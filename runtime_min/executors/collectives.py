@@ -14,7 +14,7 @@ calls; all ranks run the same executables, so they meet the collectives in the s
 
 Registered with `torch.library.Library` (not `custom_op`), so the cpu lowering keeps them as calls
 (compiler/lower.py) and AOTInductor's proxy executor calls these Python kernels at run time, as
-it does for any op a loaded module registers (runtime_min/executor_cpu.py imports this module).
+it does for any op a loaded module registers (runtime_min/executors/executor_cpu.py imports this module).
 """
 
 from __future__ import annotations

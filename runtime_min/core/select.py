@@ -3,7 +3,7 @@
 Selection is first-fit and inclusive: a need of n uses the smallest bucket size >= n, so n equal to
 a bucket uses that bucket (unlike NxDI's strict `<`), and n = b + 1 moves to the next one. Needs
 above the largest bucket are a UserError naming the limit. A prompt above the largest prefill
-bucket runs as a chunked prefill where the bundle has chunk buckets (runtime_min/runner.py
+bucket runs as a chunked prefill where the bundle has chunk buckets (runtime_min/core/runner.py
 Runner.prefill_job), at the smallest chunk capacity holding it (`pick_chunk_capacity`); a batch is
 never split into several calls.
 

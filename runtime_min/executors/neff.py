@@ -18,7 +18,7 @@ the host (`check_header`), in this order, naming the first failing field and its
 - feature_bits holds no bit outside the allowed mask. The runtime rejects NEFF features it does not
   know ("NEFF version: 2.0, features: 0x100 are not supported", aws-neuron-sdk issue 820), and no
   public table of the bits exists; the allowed mask is therefore what the compiling SDK produced for
-  this bucket (`NeffRecord.feature_bits`), and runtime_min/executor_neuron.py requires the same SDK
+  this bucket (`NeffRecord.feature_bits`), and runtime_min/executors/executor_neuron.py requires the same SDK
   release at run time;
 - lnc_size == the host's logical NeuronCore size (`host_lnc`): "AWS Neuron currently doesn't
   support setting the compiler flag to a different LNC configuration than the Neuron Runtime
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .schema import BundleError
+from ..bundle.schema import BundleError
 
 HEADER_SIZE = 1024
 _LAYOUT = struct.Struct("<5Q128sI32s16s256sI64sQI468s")

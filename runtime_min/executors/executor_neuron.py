@@ -7,9 +7,9 @@ same way; they have never been executed here.
 
 Before the SDK touches any file (`NeuronExecutor`, at session load):
 - the host's torch-neuronx and neuronx-cc releases equal the compiling ones: a NEFF's feature bits
-  and the runtime must come from one SDK release (aws-neuron-sdk issue 820; runtime_min/neff.py);
+  and the runtime must come from one SDK release (aws-neuron-sdk issue 820; runtime_min/executors/neff.py);
 - every bucket has its `NeffRecord` in the manifest, and every NEFF's 1024-byte header passes
-  runtime_min/neff.py `verify_neff` (sizes, feature bits, lnc_size against this host's LNC).
+  runtime_min/executors/neff.py `verify_neff` (sizes, feature bits, lnc_size against this host's LNC).
 Loading is lazy per bucket, as on cpu.
 
 The NEFF's interface is rebuilt from the manifest: inputs `input0..` = the bucket's weights then its
@@ -28,9 +28,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .bundle import NEURON_INDEX
+from ..bundle.bundle import NEURON_INDEX
+from ..bundle.schema import Bucket, BundleError, Manifest
 from .neff import NeffHeader, NeffRecord, host_lnc, verify_neff
-from .schema import Bucket, BundleError, Manifest
 
 # manifest toolchain key -> pip distribution of the Neuron SDK.
 SDK_DISTRIBUTIONS = {"torch_neuronx": "torch-neuronx", "neuronx_cc": "neuronx-cc",
@@ -85,7 +85,7 @@ class NeuronExecutor:
     """Checks a neuron bundle for this host (module docstring) and makes its executables:
     `executor(path, bucket, weights)` -> NeuronExecutable, like `CpuExecutable(path, bucket, weights)`.
 
-    environ / product_name: for the host LNC (runtime_min/neff.py `host_lnc`); sdk: host SDK
+    environ / product_name: for the host LNC (runtime_min/executors/neff.py `host_lnc`); sdk: host SDK
     versions (default: installed). Raises BundleError / NeffError naming the first problem.
     """
 
@@ -101,8 +101,9 @@ class NeuronExecutor:
 
 
 class NeuronExecutable:
-    """One loaded bucket (a runtime_min/runner.py Executable); `run(inputs)` as `CpuExecutable.run` (weights bound here, inputs = the
-    data+state tensors of `bucket.inputs`, returns the tensors of `bucket.outputs`).
+    """One loaded bucket (a runtime_min/core/runner.py Executable); `run(inputs)` as
+    `CpuExecutable.run` (weights bound here, inputs = the data+state tensors of `bucket.inputs`,
+    returns the tensors of `bucket.outputs`).
 
     header: the NEFF's header, already verified (NeuronExecutor). Raises BundleError when
     torch-neuronx is missing or refuses the NEFF.

@@ -8,7 +8,7 @@ param, code}}), with vLLM's OpenAI server where the reference leaves a choice op
 - max_tokens defaults to 16 for completions (the reference's default) and to the rest of the
   context capacity for chat; `max_completion_tokens` is the newer chat name of max_tokens;
 - temperature and top_p default to 1 (the reference's defaults); temperature is in 0..2 (the
-  reference's range; 0 is greedy, runtime_min/sampling.py);
+  reference's range; 0 is greedy, runtime_min/core/sampling.py);
 - types are strict ("2" is not an integer, true is not 1) and an explicit null is the default;
 - seed: an integer in 0..2**64-1; a request without one gets a fresh one;
 - stop: a string or at most 4 strings, cut from the text;
@@ -16,14 +16,14 @@ param, code}}), with vLLM's OpenAI server where the reference leaves a choice op
   choice each, `index` in order);
 - chat `tools` with `tool_choice` "none" (the tools are left out of the prompt), "auto" (the
   default with tools), "required" or {"type": "function", "function": {"name": ...}} (the reply
-  is constrained to a call, runtime_min/grammar.py); tool calls come back as the message's
+  is constrained to a call, runtime_min/serving/grammar.py); tool calls come back as the message's
   `tool_calls` (finish_reason "tool_calls"), streamed as `delta.tool_calls`, one whole call a
-  delta (runtime_min/dsml.py parses the model's markup);
+  delta (runtime_min/serving/dsml.py parses the model's markup);
 - thinking mode per request by `chat_template_kwargs: {"thinking": true}` (as vLLM passes a chat
   template's arguments); the reasoning comes back as `reasoning_content` (message and delta), as
   DeepSeek's API and vLLM's reasoning parsers return it;
 - `response_format` {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-  ...}}: the reply is constrained to JSON (of the schema) by runtime_min/grammar.py;
+  ...}}: the reply is constrained to JSON (of the schema) by runtime_min/serving/grammar.py;
 - fields the bundle cannot honour are refused by name unless they hold their neutral value
   (n > 1, best_of > 1, echo, suffix, logprobs, presence/frequency penalties, logit_bias, the
   legacy `functions`); unknown fields are ignored, as the reference's clients send newer ones.
@@ -41,8 +41,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dsneuron import UserError
 
+from ..core.scheduler import MAX_STOP
 from .dsml import Event, ReplyParser
-from .scheduler import MAX_STOP
 
 #: the OpenAI API's largest temperature
 MAX_TEMPERATURE = 2.0
@@ -120,7 +120,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatRequest(_Sampling):
-    """POST /v1/chat/completions. messages are checked by runtime_min/chat.py."""
+    """POST /v1/chat/completions. messages are checked by runtime_min/serving/chat.py."""
 
     messages: list[Any]
     max_completion_tokens: Optional[int] = None
@@ -270,7 +270,7 @@ class Reply:
 
 
 class ChatChoice:
-    """The assistant message of one chat choice, built as its text arrives: runtime_min/dsml.py's
+    """The assistant message of one chat choice, built as its text arrives: runtime_min/serving/dsml.py's
     parser splits it into `content`, `reasoning_content` and `tool_calls` (each call an id
     "call_<hex>" of its own). `deltas(piece)` and then `finish()` give the chunk deltas,
     `message()` the whole message, `reason(finish_reason)` the OpenAI finish reason ("tool_calls"
@@ -283,7 +283,7 @@ class ChatChoice:
 
     @property
     def error(self) -> str | None:
-        """The malformed markup of the reply (runtime_min/dsml.py ReplyParser.error), if any."""
+        """The malformed markup of the reply (runtime_min/serving/dsml.py ReplyParser.error), if any."""
         return self._parser.error
 
     def deltas(self, piece: str) -> list[dict]:
@@ -291,7 +291,7 @@ class ChatChoice:
 
     def finish(self, finish_reason: str = "stop") -> list[dict]:
         """The last deltas; a reply cut off ("length", "abort") drops a tool-call marker it was
-        writing (runtime_min/dsml.py ReplyParser.finish)."""
+        writing (runtime_min/serving/dsml.py ReplyParser.finish)."""
         return self._deltas(self._parser.finish(cut=finish_reason in ("length", "abort")))
 
     def _deltas(self, events: list[Event]) -> list[dict]:

@@ -1,7 +1,7 @@
 """The runner: a loaded bundle's executables and the state rows they carry.
 
-The one layer that calls executables. The request path goes serve (runtime_min/server.py) ->
-scheduler (runtime_min/scheduler.py) -> runner -> executable; `Session` (runtime_min/session.py)
+The one layer that calls executables. The request path goes serve (runtime_min/serving/server.py) ->
+scheduler (runtime_min/core/scheduler.py) -> runner -> executable; `Session` (runtime_min/session.py)
 tokenizes in front of it, and the teacher-forced runs and the benchmarks call it directly.
 
     runner = Runner.load("artifacts/")
@@ -23,7 +23,7 @@ Calls (each returns a `Step`: logits, the new `State`, probes, the state given, 
   decode bucket of batch B and the smallest capacity holding every position. The one decode
   primitive: the scheduler's loop, the teacher-forced runs and the step benchmark all call it;
 - `verify(tokens, pos, count, state, target_layers)` / `verify_prefill(prompts, target_layers)`: a
-  speculative verify (runtime_min/speculative.py; returns a speculative.Verified, not a Step): the
+  speculative verify (runtime_min/core/speculative.py; returns a speculative.Verified, not a Step): the
   chunk (prefill) bucket run stage by stage, read at every position (logits and the DSpark target
   layers' streams).
 
@@ -48,11 +48,12 @@ import torch
 
 from dsneuron import UserError
 
-from . import schema, select
-from .bundle import Bundle, is_stablehlo, open_bundle
-from .executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
+from ..bundle import schema
+from ..bundle.bundle import Bundle, is_stablehlo, open_bundle
+from ..bundle.schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
+from ..executors.executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
+from . import select
 from .prefix_cache import Snapshot
-from .schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 
 DATA_INPUTS = frozenset(n for names in schema.DATA_INPUTS.values() for n in names)
 
@@ -170,10 +171,10 @@ def executable_factory(bundle: Bundle) -> ExecutableFactory:
         register_custom_ops(m.compiler.get("custom_ops", {}))
         return CpuExecutable
     if is_stablehlo(m):
-        from .executor_stablehlo import StableHloExecutable
+        from ..executors.executor_stablehlo import StableHloExecutable
 
         return StableHloExecutable
-    from .executor_neuron import NeuronExecutor  # open_bundle admits only known targets
+    from ..executors.executor_neuron import NeuronExecutor  # open_bundle admits only known targets
 
     return NeuronExecutor(bundle.root, m)
 
@@ -215,7 +216,7 @@ class Runner:
     @classmethod
     def load(cls, path: str | Path, verify_key: str | Path | None = None,
              shard: tuple[int, int, int] | None = None) -> "Runner":
-        """Open and verify the bundle at `path` (runtime_min/bundle.py; with `verify_key`, its
+        """Open and verify the bundle at `path` (runtime_min/bundle/bundle.py; with `verify_key`, its
         signature too) and load its weights. shard: (tp, ep, rank) when this process is one rank of
         a sharded bundle (runtime_min/sharded.py). Raises BundleError naming the first problem."""
         return cls(open_bundle(path, verify_key, shard=shard))
@@ -407,7 +408,7 @@ class Runner:
     # ------------------------------------------------------------------ speculative decoding
     def verify(self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, state: State,
                target_layers: Sequence[int], taps: bool = True):
-        """A speculative verify (runtime_min/speculative.py): row b feeds tokens[b, :count[b]]
+        """A speculative verify (runtime_min/core/speculative.py): row b feeds tokens[b, :count[b]]
         (int64 [B, S], count int64 [B] in 1..S) at positions pos[b].. on its row of `state`, as one
         call of the chunk bucket of batch B at the smallest capacity holding every row (a chunk:
         bit-identical to that many decode steps). Returns a speculative.Verified with the logits
@@ -556,7 +557,7 @@ class Runner:
     def snapshot(self, state: State, row: int, logits: torch.Tensor | None = None) -> Snapshot:
         """A copy of row `row` of `state` (every state tensor [1, ...] at its capacity, the engram
         history [1, H]) and of `logits` (fp32 [B, V] of the call that fed the row's last token, or
-        None), for the prefix cache (runtime_min/prefix_cache.py): the state after the tokens that
+        None), for the prefix cache (runtime_min/core/prefix_cache.py): the state after the tokens that
         row was fed. A copy, so the row may go on running."""
         h = state.history
         return Snapshot({k: v[row:row + 1].clone() for k, v in state.tensors.items()},

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .schema import Bucket, BundleError
+from ..bundle.schema import Bucket, BundleError
 
 
 def _xla() -> tuple[Any, Any, Any]:
@@ -89,7 +89,7 @@ def compile_module(artifact: bytes, what: str) -> Any:
 
 
 class StableHloExecutable:
-    """One bucket's module compiled by XLA:CPU, with its weights placed once; a runtime_min/runner.py
+    """One bucket's module compiled by XLA:CPU, with its weights placed once; a runtime_min/core/runner.py
     Executable: `run(inputs)` takes the tensors of `bucket.inputs` and returns
     those of `bucket.outputs`. Construction raises BundleError without jax/jaxlib or when XLA
     refuses the module."""

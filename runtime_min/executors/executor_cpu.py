@@ -21,13 +21,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .schema import Bucket, BundleError, engram_columns
+from ..bundle.schema import Bucket, BundleError, engram_columns
 
 _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
 #: the modules that register a namespace's ops, imported in order until the op exists (the cpu
 #: GEMM kernels are a C++ extension built on first import, so only bundles that call them pay it)
 _OP_MODULES = {"dsneuron": ("dsneuron.kernels_nki", "dsneuron.kernels_nki.cpu_gemm", "dsneuron.kernels_nki.cpu_attn",
-                           "dsneuron.kernels_nki.cpu_gemm_fast", "dsneuron.runtime_min.collectives")}
+                           "dsneuron.kernels_nki.cpu_gemm_fast", "dsneuron.runtime_min.executors.collectives")}
 
 
 def check_archive(path: Path) -> None:
@@ -95,8 +95,9 @@ def _check_arguments(loader: Any, what: str, n_weights: int, n_inputs: int) -> N
 
 
 class CpuExecutable:
-    """One loaded bucket (a runtime_min/runner.py Executable). `run(inputs)` takes the data+state inputs of `bucket.inputs` (the weights
-    are bound at construction) and returns the outputs of `bucket.outputs`. Construction raises
+    """One loaded bucket (a runtime_min/core/runner.py Executable). `run(inputs)` takes the data+state
+    inputs of `bucket.inputs` (the weights are bound at construction) and returns the outputs of
+    `bucket.outputs`. Construction raises
     BundleError when the archive holds more than a model (`check_archive`), the loader refuses it,
     or the model takes another number of arguments than the manifest's weights + inputs."""
 
@@ -142,7 +143,7 @@ class StagedExecutable:
                    ) -> tuple[list[torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
         """`run`, plus the inputs each stage named in `taps` was given: {stage name: {wiring name:
         tensor}} (a speculative verify reads the stream entering the DSpark target layers and the
-        head's inputs, runtime_min/speculative.py). Raises KeyError for a stage the bucket lacks."""
+        head's inputs, runtime_min/core/speculative.py). Raises KeyError for a stage the bucket lacks."""
         names = {st.name for st in self.bucket.stages}
         missing = [t for t in taps if t not in names]
         if missing:
