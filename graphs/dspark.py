@@ -5,7 +5,7 @@ Source: deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py (revision dba1be0a): 
 (main_hidden), `Transformer.forward_spec`, `DSparkBlock` (forward, forward_embed, forward_head),
 `DSparkAttention`, `get_dspark_topk_idxs`, `DSparkMarkovHead`, `DSparkConfidenceHead`. The official
 code drafts and never verifies (generate.py does not call forward_spec); the verify loop is
-runtime_min/speculative.py.
+runtime_min/core/speculative.py.
 
 What the official code computes, per decode step at position t (main model fed token x_t):
 
@@ -265,7 +265,7 @@ class DSpark(nn.Module):
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The drafter's proposal distribution q float64 [..., V] at temperature T > 0 (softmax of the
-    max-shifted logits / T, as runtime_min/sampling.py computes the target's)."""
+    max-shifted logits / T, as runtime_min/core/sampling.py computes the target's)."""
     x = logits.double()
     return torch.softmax((x - x.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
 
@@ -280,7 +280,7 @@ def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
 
 # ----------------------------------------------------------------------------------------- speculative
 class DSparkDrafter:
-    """`DSpark` as runtime_min/speculative.py's Drafter (eager, the golden's numerics)."""
+    """`DSpark` as runtime_min/core/speculative.py's Drafter (eager, the golden's numerics)."""
 
     def __init__(self, dspark: DSpark):
         self.dspark, self.block = dspark, dspark.block

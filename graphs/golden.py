@@ -100,7 +100,7 @@ class Golden:
         after the prompt) and one per decoded token. cpu_kernels: run the cpu target's numerics
         instead of the golden's (GEMM order "kernel" on the prepared weights, the MoE's grouped
         GEMM: what its executables compute). chunks: prefill the prompt as a chunked prefill, as
-        the runtime does (runtime_min/runner.py Runner.prefill_job): the first of its
+        the runtime does (runtime_min/core/runner.py Runner.prefill_job): the first of its
         `chunk_lengths` a prefill at position 0, the others chunks continuing the state
         (graphs/steps.py prefill_chunk); the prefill record's capture is the last chunk's. Raises ValueError as
         `check_sequence` and `chunk_lengths`.

@@ -278,7 +278,7 @@ class HeadStage(_Captures):
 def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
     """The wiring value "last", int64 [B]: the position within the call whose logits the head
     returns, valid_len - 1 in a prefill (env has valid_len), 0 in a decode step (env has pos).
-    The runtime derives it the same way (runtime_min/executor_cpu.py StagedExecutable)."""
+    The runtime derives it the same way (runtime_min/executors/executor_cpu.py StagedExecutable)."""
     return env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
 
 

@@ -11,5 +11,5 @@ def main_hidden_of(h: torch.Tensor) -> torch.Tensor:
     (deepseek-ai/DeepSeek-V4.1-Flash:inference/model.py Transformer.forward, `h.mean(dim=2)` of the
     stream entering a DSpark target layer): an fp32 sum of the hc values, divided by hc (a power of
     two: exact), one bf16 rounding. The golden (graphs/dspark.py) and the runtime
-    (runtime_min/runner.py) share it so both round alike."""
+    (runtime_min/core/runner.py) share it so both round alike."""
     return (h.float().sum(dim=2) / h.size(2)).to(torch.bfloat16)

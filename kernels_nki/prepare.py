@@ -27,7 +27,7 @@ class Prepare:
     new first dimension when several, or a single weight [groups * r, K] viewed as [groups, r, K]
     when groups > 0) and their UE8M0 `scales`, in cpu kernel format `fmt` (one of PREPARE_FORMATS),
     become the two tensors named `outputs` = (panels, panel scales) of
-    kernels_nki.cpu_gemm.prepare_weight. The manifest parses it (runtime_min/schema.py)."""
+    kernels_nki.cpu_gemm.prepare_weight. The manifest parses it (runtime_min/bundle/schema.py)."""
 
     fmt: str
     weights: tuple[str, ...]
