@@ -18,6 +18,7 @@ import ctypes.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -490,3 +491,23 @@ def test_a_gemm_continued_from_the_previous_k_blocks_is_the_whole_gemm(fmt, port
             assert_bits(got, want)
     with pytest.raises(ValueError, match=r"init must be a Float tensor \[M, n\] = \[37, 70\]"):
         G.gemm_acc(a[:, cut:].contiguous(), preps[1], fmt, n, torch.zeros(37, 71))
+
+
+def test_openmp_pool_released_and_rebuilt():
+    """`release_openmp_threads` (the serve engine's start) frees this thread's OpenMP pool; the
+    next parallel GEMM, here and on another thread, builds one again and gives the same bits."""
+    import threading
+
+    from dsneuron.runtime_min.executors.executor_cpu import release_openmp_threads
+
+    gen = torch.Generator().manual_seed(4)
+    weight, scale = checkpoint_weight("fp8", 4096, 1024, gen)  # 4 MB: large enough to run on every thread
+    a = activations(3, 1024, gen)
+    want = run("fp8", a, weight, scale)
+    assert release_openmp_threads() == any((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    assert_bits(run("fp8", a, weight, scale), want)
+    got = []
+    t = threading.Thread(target=lambda: got.append(run("fp8", a, weight, scale)))
+    t.start()
+    t.join()
+    assert_bits(got[0], want)

@@ -21,6 +21,7 @@ from dsneuron import UserError
 
 from ..core.prefix_cache import PrefixCache
 from ..core.scheduler import QueueFull, Request, RequestError, Scheduler
+from ..executors.executor_cpu import release_openmp_threads
 from ..session import Session
 
 log = logging.getLogger("dsneuron.serve")
@@ -121,6 +122,9 @@ class Engine:
         return self._channel is not None
 
     def start(self) -> None:
+        """Start the engine thread; call it on the thread that loaded the session, whose OpenMP
+        pool it frees first (executors/executor_cpu.py `release_openmp_threads` says why)."""
+        release_openmp_threads()
         self._thread.start()
 
     def submit(self, reqs: list[Request]) -> None:
