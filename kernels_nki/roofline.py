@@ -39,7 +39,7 @@ class EngineWork:
 
     def add(self, elements: int, times: int = 1) -> None:
         self.instructions += times
-        self.elements += elements * times
+        self.elements += int(elements) * times
 
 
 @dataclass

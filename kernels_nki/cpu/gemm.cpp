@@ -219,12 +219,9 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
         for (int64_t m = 0; m < mr; ++m) dst[k * kTile + m] = ab[(r0 + m) * K + k];
     }
   });
-  const auto* wb = static_cast<const uint8_t*>(w.const_data_ptr());
-  const float* sb = s.numel() ? static_cast<const float*>(s.const_data_ptr()) : nullptr;
-  const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
-  const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
+  const Panels pn(w, s, lead);
   float* ob = static_cast<float*>(out.mutable_data_ptr());
-  torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, pn.panel_bytes, kTile), [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> buf;  // the decoded panel, from the first item that needs one
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
@@ -234,8 +231,7 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
       const bool direct = it.r1 - it.r0 <= direct_rows(fmt);
       const bool packed = tile0[it.e + 1] > tile0[it.e] && !direct;
       const float* at = packed ? ap.get() + (tile0[it.e] + (it.r0 - seg[it.e]) / kTile) * K * kTile : ab + it.r0 * K;
-      const float* sp = sb ? sb + it.e * ses + it.p * sps : nullptr;
-      with_decoder(fmt, wb + it.e * wes + it.p * wps, sp, K, [&](const auto& d) {
+      with_decoder(fmt, pn.weight(it), pn.scale(it), K, [&](const auto& d) {
         run_panel(d, at, packed, direct, K, it.r1 - it.r0, ob + it.r0 * n + it.p * kPanel, n, cols, buf.get(),
                   init != nullptr);
       });

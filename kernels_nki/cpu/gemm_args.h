@@ -88,6 +88,23 @@ int64_t check_a(const char* op, const Tensor& a) {
 // one work item: rows r0 .. r1-1 of expert e against its panel p
 struct Item { int64_t e, p, r0, r1; };
 
+// Where an item's prepared panel and its scales are: w [P, ...] or stacked per expert [E, P, ...]
+// (lead 1), s likewise or empty (bf16, fp32); panel_bytes: from one panel to the next
+struct Panels {
+  const uint8_t* w;
+  const float* s;
+  int64_t expert_bytes, panel_bytes, expert_scales, panel_scales;
+  Panels(const Tensor& wt, const Tensor& st, int lead)
+      : w(static_cast<const uint8_t*>(wt.const_data_ptr())),
+        s(st.numel() ? static_cast<const float*>(st.const_data_ptr()) : nullptr),
+        expert_bytes(lead ? wt.stride(0) * wt.element_size() : 0),
+        panel_bytes(wt.stride(lead) * wt.element_size()),
+        expert_scales(lead && s ? st.stride(0) : 0),
+        panel_scales(s ? st.stride(lead) : 0) {}
+  const uint8_t* weight(const Item& it) const { return w + it.e * expert_bytes + it.p * panel_bytes; }
+  const float* scale(const Item& it) const { return s ? s + it.e * expert_scales + it.p * panel_scales : nullptr; }
+};
+
 // The items of a call with experts' row offsets `seg` and P panels each: one per (expert, panel),
 // rows split in whole tiles of `tile` rows only when the panels alone cannot feed the threads
 std::vector<Item> work_items(const std::vector<int64_t>& seg, int64_t P, int64_t tile) {

@@ -353,10 +353,8 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
     to_bf16(af + begin * K, abf.get() + begin * K, (end - begin) * K);
   });
   const std::vector<Item> items = work_items(seg, P, kTile);
-  const auto* wb = static_cast<const uint8_t*>(w.const_data_ptr());
-  const float* sb = s.numel() ? static_cast<const float*>(s.const_data_ptr()) : nullptr;
-  const int64_t wes = lead ? w.stride(0) * w.element_size() : 0, wps = w.stride(lead) * w.element_size();
-  const int64_t ses = lead && sb ? s.stride(0) : 0, sps = sb ? s.stride(lead) : 0;
+  const Panels pn(w, s, lead);
+  const int64_t wps = pn.panel_bytes;
   float* ob = static_cast<float*>(out.mutable_data_ptr());
   torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
     // one expanded panel, K/2 pairs of 32 bf16, on 64-byte lines: a pair row split across two lines
@@ -367,8 +365,8 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const int cols = int(std::min(kPanel, n - it.p * kPanel));
-      const uint8_t* wp = wb + it.e * wes + it.p * wps;
-      const float* sp = sb ? sb + it.e * ses + it.p * sps : nullptr;
+      const uint8_t* wp = pn.weight(it);
+      const float* sp = pn.scale(it);
       const uint16_t* ar = abf.get() + it.r0 * K;
       float* o = ob + it.r0 * n + it.p * kPanel;
       const bool acc = init != nullptr;

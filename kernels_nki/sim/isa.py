@@ -208,7 +208,7 @@ def _gather(src: NkiTensor, mode: oob_mode) -> tuple[np.ndarray, np.ndarray]:
         rel = (rel[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
     starts = src.offset + idx * src.indirect.stride
     offsets = starts[:, None] + rel[None, :]
-    typed = src._storage.data.view(src.dtype)
+    typed = src.storage_elements()
     inside = (offsets.min(axis=1) >= 0) & (offsets.max(axis=1) < typed.size)
     if not inside.all() and mode == oob_mode.error:
         bad = int(np.flatnonzero(~inside)[0])

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+
+from dsneuron.kernels_nki.roofline import Work
 
 PMAX = 128
 STATIONARY_FMAX = 128
@@ -65,20 +67,9 @@ def target_from_env() -> Target:
 
 
 @dataclass
-class EngineWork:
-    """Instructions issued on one engine and the sum of their per-partition element counts."""
-
-    instructions: int = 0
-    elements: int = 0
-
-    def add(self, elements: int) -> None:
-        self.instructions += 1
-        self.elements += int(elements)
-
-
-@dataclass
-class Stats:
-    """Work of one kernel run, in the units of `dsneuron.kernels_nki.roofline`.
+class Stats(Work):
+    """Work of one kernel run, in the units of `dsneuron.kernels_nki.roofline` (whose `Work` it
+    extends with what only a run shows).
 
     pe_columns: moving-tensor columns streamed through the PE array (x4 for fp32 operands, which take
     four passes); transposes count their input partitions as columns. pe_flops: 2*K*M*N of the matmuls
@@ -86,15 +77,6 @@ class Stats:
     hbm_read/hbm_write: DMA bytes from and to HBM; sbuf_dma: SBUF-to-SBUF DMA bytes.
     """
 
-    pe_instructions: int = 0
-    pe_columns: int = 0
-    pe_flops: int = 0
-    act: EngineWork = field(default_factory=EngineWork)
-    dve: EngineWork = field(default_factory=EngineWork)
-    pool: EngineWork = field(default_factory=EngineWork)
-    dma_transfers: int = 0
-    hbm_read: int = 0
-    hbm_write: int = 0
     sbuf_dma: int = 0
     peak_sbuf_partition_bytes: int = 0
     peak_psum_banks: int = 0

@@ -71,6 +71,10 @@ class NkiTensor:
     def buffer(self) -> str:
         return self._storage.buffer
 
+    def storage_elements(self) -> np.ndarray:
+        """The whole storage under this view as a flat array of `dtype` (an indirect DMA's bounds)."""
+        return self._storage.data.view(self.dtype)
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
