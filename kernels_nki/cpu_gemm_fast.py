@@ -15,21 +15,23 @@ bf16 (exact: e4m3fn and e2m1 values have <= 3 mantissa bits; bf16 weights as sto
 element, each 32-k block's partial is 16 bf16 pair dot products in k order (VDPBF16PS on hosts with
 AVX512-BF16: Intel SDM "VDPBF16PS", which flushes denormals; two fp32 fma per pair elsewhere), and
 acc = fma(partial_b, scale_b, acc) over the blocks ascending (scale_b the block's power of two, 1
-for bf16). On hosts with AMX-BF16 (variant "amx") the dot products are TDPBF16PS on AMX tiles (Intel
-SDM "TDPBF16PS"; it rounds differently from VDPBF16PS, so there every row count runs on AMX), and a
-panel whose scales all lie in [2^-64, 2^64] has them folded into its bf16 weights (exact: the products
-are normal bf16 values), its tile accumulating the whole K in fp32, block after block ascending; the
-other panels keep the per-block partial. Each output element is computed by one thread with that one sequence, so a row's
-result does not depend on M, its row, its neighbours or the thread count: deterministic and
-batch-invariant on one host. It is not bit-identical across hosts (the ISA decides the pair
-rounding), and differs from the exact kernel (cpu_gemm.py) by the activation's bf16 rounding and
-the summation order: `gemm_fast_ref` is the float64 value it approximates, within `error_bound`.
+for bf16). On hosts with AMX-BF16 (variant "amx") the dot products are TDPBF16PS on AMX tiles
+(Intel SDM "TDPBF16PS"; it rounds differently from VDPBF16PS, so there every row count runs on
+AMX), and a panel whose scales all lie in [2^-64, 2^64] has them folded into its bf16 weights
+(exact: the products are normal bf16 values), its tile accumulating the whole K in fp32, block
+after block ascending; the other panels keep the per-block partial. Each output element is computed
+by one thread with that one sequence, so a row's result does not depend on M, its row, its
+neighbours or the thread count: deterministic and batch-invariant on one host. It is not
+bit-identical across hosts (the ISA decides the pair rounding), and differs from the exact kernel
+(cpu_gemm.py) by the activation's bf16 rounding and the summation order: `gemm_fast_ref` is the
+float64 value it approximates, within `error_bound`.
 
 Build: variant "amx" (the flags below plus -mamx-tile -mamx-bf16) where /proc/cpuinfo also lists
 amx_bf16 and amx_tile and Linux grants the process the AMX tile state (`request_amx`;
 DSNEURON_FAST_NO_AMX=1 skips it: the A/B switch of the benchmarks), else "avx512bf16" (-mavx512f
 -mavx512bw -mavx512vl -mavx512bf16 on top of the AVX2 flags) where /proc/cpuinfo lists avx512_bf16
-and avx512bw and torch runs at AVX512 capability, else cpu_gemm's variant ("avx2", "generic"). Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
+and avx512bw and torch runs at AVX512 capability, else cpu_gemm's variant ("avx2", "generic").
+Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
 """
 
 from __future__ import annotations
