@@ -259,6 +259,10 @@ def test_bad_chat_requests_and_bodies(server, session):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="bundle", messages=[{"role": "function", "name": "f", "content": "a"}])
     assert "messages[0].role" in e.value.body["message"]
+    for name in ("max_tokens", "max_completion_tokens"):  # an error names the field the client sent
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "a"}], **{name: 0})
+        assert e.value.body["param"] == name and e.value.body["message"].startswith(f"{name} must be"), e.value.body
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     status, text = http("POST", f"{server.url}/completions", b'{"model": "bundle", "prompt": ', headers)
     assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"]

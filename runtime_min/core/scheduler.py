@@ -164,7 +164,9 @@ class Request:
     max_tokens: new tokens at most; temperature / top_p / seed: as runtime_min/core/sampling.py (seed
     None: fresh entropy); stop: strings that end the generation (at most MAX_STOP, none empty);
     constraint: what may be sampled next, e.g. a runtime_min/serving/grammar.py Constraint (`allowed()`:
-    bool [V] mask; `accept(token)` after each token but EOS), None for any token.
+    bool [V] mask; `accept(token)` after each token but EOS), None for any token;
+    max_tokens_name: what the caller calls max_tokens in its errors (a chat request may send
+    `max_completion_tokens`).
 
     Filled in as it runs: `generated` (token ids, EOS excluded), `text` (final text so far),
     `sampled` (tokens sampled, EOS included: the OpenAI usage's completion_tokens), `finish_reason`
@@ -181,6 +183,7 @@ class Request:
     listener: Listener | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     constraint: object | None = None
+    max_tokens_name: str = "max_tokens"
     generated: list[int] = field(default_factory=list, init=False)
     text: str = field(default="", init=False)
     sampled: int = field(default=0, init=False)
@@ -275,7 +278,7 @@ class Scheduler:
         except UserError as e:
             raise RequestError(str(e), "prompt") from None
         try:
-            check_generation(r.max_tokens, r.temperature, r.top_p, r.seed, names={"max_new_tokens": "max_tokens"},
+            check_generation(r.max_tokens, r.temperature, r.top_p, r.seed, names={"max_new_tokens": r.max_tokens_name},
                              context=(len(ids), self.runner.max_capacity))
         except ParamError as e:
             raise RequestError(str(e), e.param) from None

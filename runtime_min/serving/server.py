@@ -230,7 +230,8 @@ class Served:
 
     def requests(self, body: Any, prompts: list[list[int]], chat_kind: bool, loop, queue) -> list[Request]:
         """One scheduler Request a prompt, its outputs put on `queue` in `loop` (Engine.listener)."""
-        max_tokens = body.max_completion_tokens if chat_kind and body.max_completion_tokens is not None else body.max_tokens
+        newer_name = chat_kind and body.max_completion_tokens is not None
+        max_tokens = body.max_completion_tokens if newer_name else body.max_tokens
         grammar = self.grammar(body) if chat_kind else None
         out = []
         for i, ids in enumerate(prompts):
@@ -238,7 +239,8 @@ class Served:
             seed = body.seed if body.seed is not None else secrets.randbits(64)
             r = Request(ids, n, body.temperature, body.top_p, seed, body.stops(),
                         listener=self.engine.listener(loop, queue, i),
-                        constraint=None if grammar is None else grammar.constraint())
+                        constraint=None if grammar is None else grammar.constraint(),
+                        max_tokens_name="max_completion_tokens" if newer_name else "max_tokens")
             if self.request_hook is not None:
                 self.request_hook(r)
             out.append(r)
