@@ -34,10 +34,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle.bundle import check_target, host_toolchain
-from dsneuron.runtime_min.bundle.schema import (CHUNK_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION, SCHEMA_VERSION,
-                                                TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION, WEIGHT_SHARD_BYTES, WEIGHTS,
-                                                Bucket, BundleError, Manifest, StateEntry, TensorSpec, Tokenizer,
-                                                bucket_file, dtype_name, shard_record)
+from dsneuron.runtime_min.bundle.schema import (CHUNK_SCHEMA_VERSION, IN_PLACE_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION,
+                                                SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
+                                                WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError, Manifest, StateEntry,
+                                                TensorSpec, Tokenizer, bucket_file, dtype_name, shard_record,
+                                                written_in_place)
 
 from . import backend_cpu, backend_neuron
 from .buckets import BucketPlan, PlannedBucket, plan_buckets
@@ -329,7 +330,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             prepare=recipes, weight_files=weight_files, numerics=compile_cfg.numerics,
             schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
                                CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION,
-                               NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION))
+                               NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION,
+                               IN_PLACE_SCHEMA_VERSION if any(map(written_in_place, buckets)) else SCHEMA_VERSION))
         from dsneuron.runtime_min.bundle.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))

@@ -83,8 +83,10 @@ class GraphsStepFactory:
         half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
         so that one executable of each serves every bucket of the batch size."""
         model = self.models[capacity]
+        # a decode step writes its one-row caches in place (graphs/cache_rows.py; the runtime copies
+        # the state inputs it is given once a step, runtime_min/executors/executor_cpu.py)
         built = stages.build_stages(model, kind, batch, capacity, order=self.order, indexer=self.indexer,
-                                    numerics=self.numerics)
+                                    numerics=self.numerics, in_place=True)
         if self.probes:
             stages.with_probes(built)
         S = 1 if kind == "decode" else seq_len

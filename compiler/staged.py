@@ -142,6 +142,9 @@ class StagedCompile:
             state = [s["name"] for s in record["inputs"][len(DATA_INPUTS[pb.kind]):]] or \
                 list(self.parts.steps.init_state(pb.batch, pb.capacity))
             probes = [n for st in record["stages"] for n in st["outputs"] if n.startswith(PROBE_PREFIX)]
+            # a cache a decode stage writes in place is no stage's output: the bucket returns its input
+            specs.update({x["name"]: {"shape": x["shape"], "dtype": x["dtype"]} for x in record["inputs"]
+                          if x["name"] not in specs})
             record["outputs"] = [{"name": n, **specs[n]} for n in ("logits", *state, *probes)]
             prekey = record.pop("prekey")
             if prekey:

@@ -1,10 +1,33 @@
 """Reads and writes of rows of the state caches with static shapes (a ring slot, a run of slots,
 the leading slots), per batch row, so one graph serves every position.
+
+A one-row write (`write_slot`: a decode step's window ring and compressed rows) is functional by
+default: a new cache with the row written. Within `writes_in_place()` it writes the row into the
+cache it was given instead and returns that tensor: the cpu target traces its decode stages so
+(graphs/stages.py AttnStage.in_place), since the functional write compiles to a copy of the whole
+cache each step, stored 8 bytes at a time into freshly allocated memory; on tiny that was about
+1 ms of a 28 ms decode step (perf on 2026-12-06), growing with the capacity and the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+_IN_PLACE = False
+
+
+@contextmanager
+def writes_in_place() -> Iterator[None]:
+    """While active, `write_slot` writes into the cache it is given (module docstring)."""
+    global _IN_PLACE
+    before, _IN_PLACE = _IN_PLACE, True
+    try:
+        yield
+    finally:
+        _IN_PLACE = before
 
 
 def leading(cache: torch.Tensor, n: int) -> torch.Tensor:
@@ -24,7 +47,11 @@ def slot_index(slot: torch.Tensor, X: int) -> torch.Tensor:
 def write_slot(cache: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """cache [B,C,X] with row [B,1,X] written at slot [B] (int64, 0 <= slot < C), the rest as it was.
     A scatter: Inductor makes it a copy of the cache and one row's store, where a where() over the
-    cache tests every element's slot (a decode step's cache writes went 4.2 -> ~0.3 ms on tiny)."""
+    cache tests every element's slot (a decode step's cache writes went 4.2 -> ~0.3 ms on tiny).
+    Within `writes_in_place()`: `cache` itself, the row written into it by an index_put_, which
+    Inductor compiles to the row's store alone (it keeps a copy for an in-place scatter_)."""
+    if _IN_PLACE:
+        return cache.index_put_((torch.arange(cache.size(0), device=cache.device), slot), row[:, 0])
     return cache.scatter(1, slot_index(slot, cache.size(2)), row)
 
 

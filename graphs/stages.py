@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .cache_rows import writes_in_place
 from .config import ModelConfig
 from .context import Capture, step_inputs
 from .model import Transformer, embed_stream, engram_at, head_logits
@@ -202,13 +203,19 @@ class AttnStage(_Captures):
 
     forward(h, pre_mix, valid_len | pos | pos and valid_len, *own state (decode, chunk), *shared inputs)
         -> (h, pre_mix, *own state, *shared outputs, *probes); the pre_mix out is the one the MoE
-        half of the same layer collapses the stream with
+        half of the same layer collapses the stream with.
+
+    in_place (decode only): the caches a decode step writes one row of (`in_place_names`: the
+    window ring, the compressed KV and indexer keys) are written into the input tensors
+    (graphs/cache_rows.py `writes_in_place`) and are not outputs; the caller owns those inputs
+    (runtime_min/executors/executor_cpu.py StagedExecutable copies them once a step).
     """
 
-    def __init__(self, model: Transformer, layer: int, step: str, batch: int, capacity: int):
+    def __init__(self, model: Transformer, layer: int, step: str, batch: int, capacity: int, in_place: bool = False):
         super().__init__()
         cfg = model.cfg
         self.cfg, self.layer, self.step, self.capacity = cfg, layer, step, capacity
+        self.in_place = in_place and step == "decode"
         self.block = _half(model.layers[layer], "attn")
         for name in ("rope_cos_0", "rope_sin_0", "rope_cos_1", "rope_sin_1"):
             self.register_buffer(name, getattr(model, name), persistent=False)
@@ -222,8 +229,16 @@ class AttnStage(_Captures):
         return ("h", "pre_mix", *DATA[self.step][1:], *own, *self.shared_in.values())
 
     @property
+    def in_place_names(self) -> tuple[str, ...]:
+        """The own state tensors written in place (class docstring); () unless `in_place`."""
+        if not self.in_place:
+            return ()
+        return tuple(n for n in self.state_names if n.endswith(("window_kv", "compress_kv", "index_k")))
+
+    @property
     def output_names(self) -> tuple[str, ...]:
-        return ("h", "pre_mix", *self.state_names, *self.shared_out.values())
+        kept = [n for n in self.state_names if n not in self.in_place_names]
+        return ("h", "pre_mix", *kept, *self.shared_out.values())
 
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor, lens: torch.Tensor, *rest: torch.Tensor):
         B, S = h.shape[:2]
@@ -245,8 +260,16 @@ class AttnStage(_Captures):
             rest = rest[len(self.state_names):]
         shared = dict(zip(self.shared_in, rest))
         new: dict[str, torch.Tensor] = {}
-        h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
-        outs = (h, pre_mix, *[new.get(n, state[n]) for n in self.state_names], *[shared[k] for k in self.shared_out])
+        if self.in_place:
+            with writes_in_place():
+                h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
+            for n in self.in_place_names:
+                if new.get(n) is not state[n]:  # a write that did not go through write_slot
+                    raise RuntimeError(f"layers.{self.layer} decode: {n} was not written in place")
+        else:
+            h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
+        kept = [n for n in self.state_names if n not in self.in_place_names]
+        outs = (h, pre_mix, *[new.get(n, state[n]) for n in kept], *[shared[k] for k in self.shared_out])
         return self._finish(outs, cap)
 
 
@@ -283,11 +306,12 @@ def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending",
-                 indexer: str = "official", numerics: str = "exact") -> list[Stage]:
+                 indexer: str = "official", numerics: str = "exact", in_place: bool = False) -> list[Stage]:
     """The stages of a prefill, decode or chunk step of `model` at (batch, capacity), in run order,
     each running with GEMM order `order` (the golden's "ascending" by default; the compiled steps
-    trace theirs), indexer mode `indexer` and kernel numerics `numerics`. Raises ValueError for an
-    unknown step."""
+    trace theirs), indexer mode `indexer` and kernel numerics `numerics`; in_place: a decode step's
+    attention stages write their one-row caches into their inputs (AttnStage). Raises ValueError
+    for an unknown step."""
     if step not in DATA:
         raise ValueError(f"build_stages: step must be one of {tuple(DATA)}, got {step!r}")
     cfg = model.cfg
@@ -297,7 +321,7 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
             e = cfg.engram_layer_ids.index(L)
             stages.append(Stage(f"layers.{L}.engram", "engram", EngramStage(model, L), ("h", f"engram_ids.{e}"), ("h",), L,
                                 per_token=True))
-        attn = AttnStage(model, L, step, batch, capacity)
+        attn = AttnStage(model, L, step, batch, capacity, in_place)
         stages.append(Stage(f"layers.{L}.attn", attn_kind(cfg, L), attn, attn.input_names, attn.output_names, L))
         stages.append(Stage(f"layers.{L}.ffn", ffn_kind(cfg, L), FfnStage(model, L), ("h", "pre_mix"), ("h", "pre_mix"), L,
                             per_token=True))

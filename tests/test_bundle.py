@@ -189,7 +189,7 @@ def test_truncated_file(copy):
 
 def test_unknown_schema_version(monkeypatch, capsys, copy):
     edit_manifest(copy, lambda m: m.update(schema_version=99))
-    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4, 5\)"):
+    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4, 5, 6\)"):
         open_bundle(copy)
     for cmd in ("run", "inspect"):
         args = [cmd, str(copy)] + (["--prompt", "hi"] if cmd == "run" else [])

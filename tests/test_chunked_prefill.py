@@ -214,7 +214,7 @@ def test_cpu_target_chunks_are_its_decode_steps_and_track_the_golden(chunk_sessi
     capacity 64. Its logits are the bundle's own prefill + 34 decode steps bit for bit, and track
     the golden's chunked prefill no worse than the floors (compiler/compare.py's end-to-end rule)."""
     s = chunk_session
-    assert {b.kind for b in s.manifest.buckets} == {"prefill", "decode", "chunk"} and s.manifest.schema_version == 4
+    assert {b.kind for b in s.manifest.buckets} == {"prefill", "decode", "chunk"} and s.manifest.schema_version == 6
     ids = _ids(50, 2)[0].tolist()
     done = s.runner.prefill_job(ids).run()
     logits, state, history = done.logits[0], done.state.tensors, done.state.history

@@ -44,9 +44,30 @@ def fast_bundle(tmp_path_factory, micro_checkpoint):
 
 def test_fast_bundle_declares_and_calls_the_fast_ops(fast_bundle):
     s = Session.load(fast_bundle)
-    assert s.manifest.numerics == "fast" and s.manifest.schema_version == 5
+    assert s.manifest.numerics == "fast" and s.manifest.schema_version == 6  # 6: decode caches written in place
     assert {"dsneuron::gemm_fast", "dsneuron::gemm_fast_segments"} <= set(s.manifest.compiler["custom_ops"])
     assert "dsneuron::gemm_panels" in s.manifest.compiler["custom_ops"]  # the fp32 mHC projections stay exact
+
+
+def test_a_decode_step_writes_its_caches_in_place_on_a_copy(fast_bundle):
+    """graphs/stages.py AttnStage.in_place: the decode buckets' attention stages write one row of
+    the window ring, compressed KV and indexer keys into their input tensors, which the executor
+    copies first (runtime_min/executors/executor_cpu.py): the state a step is given is unchanged,
+    the one it returns has the row written, and an older schema version is refused for it."""
+    from dsneuron.runtime_min.bundle.schema import BundleError, Manifest, written_in_place
+
+    runner = Session.load(fast_bundle).runner
+    given = runner.prefill([[1, 104, 105], [1, 120, 121]]).state
+    kept = {n: t.clone() for n, t in given.tensors.items()}
+    step = runner.decode(torch.tensor([7, 9]), torch.tensor([3, 3]), given)
+    written = written_in_place(step.bucket)
+    assert written and {n.rsplit(".", 1)[1] for n in written} == {"window_kv", "compress_kv", "index_k"}
+    assert all(torch.equal(given.tensors[n], kept[n]) for n in kept)
+    assert all(not torch.equal(step.state.tensors[n], kept[n]) for n in written if n.endswith("window_kv"))
+    assert not any(written_in_place(b) for b in runner.manifest.buckets if b.kind == "prefill")
+    old = dataclasses.replace(runner.manifest, schema_version=5)
+    with pytest.raises(BundleError, match="write state in place need schema version 6"):
+        Manifest.from_json(old.to_json())
 
 
 def test_fast_bundle_text_is_deterministic(fast_bundle):

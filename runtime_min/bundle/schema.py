@@ -69,8 +69,11 @@ from dsneuron.kernels_nki.prepare import PREPARE_FORMATS, Prepare
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
 #: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files,
-#: 4 chunk buckets, 5 numerics "fast"
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+#: 4 chunk buckets, 5 numerics "fast", 6 state written in place
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+#: the version of a manifest whose staged buckets write state in place (`written_in_place`): an
+#: older runtime would hand the stages the caller's own state tensors
+IN_PLACE_SCHEMA_VERSION = 6
 #: the version of a manifest with numerics "fast": its executables call the fast GEMM ops, which an
 #: older runtime neither registers nor knows to be another numerics (an exact manifest keeps its version)
 NUMERICS_SCHEMA_VERSION = 5
@@ -590,6 +593,9 @@ def _check_buckets(m: "Manifest") -> None:
                 raise BundleError(f"{where}: stages and min_seq_len need schema version 2 (the manifest says "
                                   f"{m.schema_version})")
             _check_stages(b, where)
+            if written_in_place(b) and m.schema_version < IN_PLACE_SCHEMA_VERSION:
+                raise BundleError(f"{where}: stages that write state in place need schema version "
+                                  f"{IN_PLACE_SCHEMA_VERSION} (the manifest says {m.schema_version})")
     decode_batches = {b.batch for b in m.buckets if b.kind == "decode"}
     for b in m.buckets:
         if b.kind != "decode" and b.batch not in decode_batches:
@@ -630,6 +636,17 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
         if spec.name not in state and not spec.name.startswith(PROBE_PREFIX):
             raise BundleError(f"{where}.outputs: {spec.name} is neither a state tensor nor a probe")
     return engram.shape[2:]
+
+
+def written_in_place(b: Bucket) -> list[str]:
+    """The state tensors staged bucket `b`'s stages write in place: outputs of the bucket that are
+    also its inputs and no stage's output (a decode step's one-row caches, graphs/stages.py
+    AttnStage). A runtime must hand the stages copies of these inputs."""
+    if not b.stages:
+        return []
+    produced = {n for st in b.stages for n in st.outputs}
+    inputs = {s.name for s in b.inputs}
+    return [s.name for s in b.outputs if s.name in inputs and s.name not in produced]
 
 
 def _check_stages(b: Bucket, where: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..bundle.schema import Bucket, BundleError, engram_columns
+from ..bundle.schema import Bucket, BundleError, engram_columns, written_in_place
 
 _ARCHIVE_META = {"archive_format", "archive_version", ".data/version", "byteorder", ".data/serialization_id"}
 #: the modules that register a namespace's ops, imported in order until the op exists (the cpu
@@ -141,7 +141,9 @@ class CpuExecutable:
 
 class StagedExecutable:
     """A staged bucket (schema.py): one loaded package per stage kind, run stage by stage. Same
-    interface as CpuExecutable; `weights` maps every weight name a stage takes to its tensor.
+    interface as CpuExecutable; `weights` maps every weight name a stage takes to its tensor. A
+    state tensor that the bucket returns but no stage outputs is one a stage writes in place: `run`
+    gives the stages a copy of it, so the caller's inputs are never changed.
     Construction raises BundleError as CpuExecutable does, per stage file.
 
     stage_seconds: None, or a dict that `run` then adds each stage's wall seconds to, keyed by
@@ -158,6 +160,9 @@ class StagedExecutable:
             else:  # a file shared by stages of one kind: each stage must fit its signature too
                 _check_arguments(loaders[st.file], f"stage {st.name} ({st.file})", len(st.weights), len(st.inputs))
             self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs))
+        # copied before the stages run, so that the caller's tensors stay as they were (a Step keeps
+        # its input state)
+        self._written = written_in_place(bucket)
         self._columns = any(n.startswith("engram_ids.") for st in bucket.stages for n in st.inputs)
         self._last = any("last" in st.inputs for st in bucket.stages)
 
@@ -176,6 +181,7 @@ class StagedExecutable:
             raise KeyError(f"{self.bucket.file}: no stage {missing[0]!r} to tap")
         self.bucket.check_inputs(inputs)
         env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
+        env.update({n: env[n].clone() for n in self._written})
         if self._columns:
             env.update(engram_columns(env["engram_ids"]))
         if self._last:  # the position the head reads (schema.py DERIVED_INPUTS)
