@@ -1,0 +1,78 @@
+"""Two bundles' decode steps side by side in one process: old against new on the same host.
+
+    python -m dsneuron.bench.decode_ab OLD NEW [--rounds 9] [--steps 24] [--position 300]
+
+For every decode batch size both bundles compile, each round runs --steps decode steps of each
+bundle (the two in alternating order, A B then B A), chaining the state from --position on
+fresh state, and takes the median step time (runtime_min/core/runner.py `Step.seconds`: the
+executable call alone). Prints, per batch size, the median over the rounds for each bundle and
+the ratio NEW / OLD, and whether the two gave the same logits bit for bit on the same steps.
+Wall times on a shared 2-core machine drift by 10-30% between rounds; alternating the two in
+every round is what keeps the ratio steady, so the ratio from one run is the figure to quote.
+Raises SystemExit naming the problem when the bundles share no decode batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+
+def decode_round(runner, batch: int, steps: int, position: int) -> tuple[float, list]:
+    """`steps` decode steps of `runner` at `batch` rows from `position` on fresh state ->
+    (median seconds a step, the logits of every step)."""
+    import torch
+
+    tokens = torch.full((batch,), runner.pad_token_id + 2, dtype=torch.int64)
+    pos = torch.full((batch,), position, dtype=torch.int64)
+    state = runner.fresh_state(batch)
+    seconds, logits = [], []
+    for i in range(steps):
+        step = runner.decode(tokens, pos + i, state)
+        state = step.state
+        seconds.append(step.seconds)
+        logits.append(step.logits)
+    return statistics.median(seconds), logits
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsneuron.runtime_min.core.runner import Runner
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--position", type=int, default=300)
+    args = ap.parse_args(argv)
+    runners = [Runner.load(args.old), Runner.load(args.new)]
+    batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
+    if not batches:
+        raise SystemExit(f"the bundles share no decode batch size ({runners[0].decode_batches} and "
+                         f"{runners[1].decode_batches})")
+    table = Table(title=f"decode step, {args.rounds} rounds of {args.steps} steps from position {args.position}")
+    for col in ("batch", "old ms", "new ms", "new / old", "same logits"):
+        table.add_column(col)
+    for batch in batches:
+        for r in runners:  # loads the executables
+            decode_round(r, batch, 2, args.position)
+        times: list[list[float]] = [[], []]
+        same = True
+        for k in range(args.rounds):
+            got = {}
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+                seconds, got[i] = decode_round(runners[i], batch, args.steps, args.position)
+                times[i].append(seconds)
+            same = same and all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
+        old, new = (statistics.median(t) * 1e3 for t in times)
+        table.add_row(str(batch), f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
