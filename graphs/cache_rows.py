@@ -4,7 +4,7 @@ the leading slots), per batch row, so one graph serves every position.
 A one-row write (`write_slot`: a decode step's window ring and compressed rows) is functional by
 default: a new cache with the row written. Within `writes_in_place()` it writes the row into the
 cache it was given instead and returns that tensor: the cpu target traces its decode stages so
-(graphs/stages.py AttnStage.in_place), since the functional write compiles to a copy of the whole
+(graphs/stages.py AttnStage.in_place_names), since the functional write compiles to a copy of the whole
 cache each step, stored 8 bytes at a time into freshly allocated memory; on tiny that was about
 1 ms of a 28 ms decode step (perf on 2026-12-06), growing with the capacity and the batch.
 """

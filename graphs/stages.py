@@ -215,11 +215,16 @@ class AttnStage(_Captures):
         super().__init__()
         cfg = model.cfg
         self.cfg, self.layer, self.step, self.capacity = cfg, layer, step, capacity
-        self.in_place = in_place and step == "decode"
         self.block = _half(model.layers[layer], "attn")
         for name in ("rope_cos_0", "rope_sin_0", "rope_cos_1", "rope_sin_1"):
             self.register_buffer(name, getattr(model, name), persistent=False)
         self.state_names = _own_state(cfg, layer, batch, capacity)
+        # the caches a decode step writes one row of, through graphs/cache_rows.py write_slot
+        written = ("window_kv", "compress_kv", "index_k") if in_place and step == "decode" else ()
+        #: the own state written in place (class docstring)
+        self.in_place_names = tuple(n for n in self.state_names if n.endswith(written))
+        #: the own state the stage returns: the rest
+        self.returned_state = tuple(n for n in self.state_names if n not in self.in_place_names)
         self.shared_in = _shared_inputs(cfg, layer)
         self.shared_out = _shared_outputs(cfg, layer)
 
@@ -229,16 +234,8 @@ class AttnStage(_Captures):
         return ("h", "pre_mix", *DATA[self.step][1:], *own, *self.shared_in.values())
 
     @property
-    def in_place_names(self) -> tuple[str, ...]:
-        """The own state tensors written in place (class docstring); () unless `in_place`."""
-        if not self.in_place:
-            return ()
-        return tuple(n for n in self.state_names if n.endswith(("window_kv", "compress_kv", "index_k")))
-
-    @property
     def output_names(self) -> tuple[str, ...]:
-        kept = [n for n in self.state_names if n not in self.in_place_names]
-        return ("h", "pre_mix", *kept, *self.shared_out.values())
+        return ("h", "pre_mix", *self.returned_state, *self.shared_out.values())
 
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor, lens: torch.Tensor, *rest: torch.Tensor):
         B, S = h.shape[:2]
@@ -260,7 +257,7 @@ class AttnStage(_Captures):
             rest = rest[len(self.state_names):]
         shared = dict(zip(self.shared_in, rest))
         new: dict[str, torch.Tensor] = {}
-        if self.in_place:
+        if self.in_place_names:
             with writes_in_place():
                 h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
             for n in self.in_place_names:
@@ -268,8 +265,7 @@ class AttnStage(_Captures):
                     raise RuntimeError(f"layers.{self.layer} decode: {n} was not written in place")
         else:
             h, pre_mix = self.block.attn_sublayer(h, pre_mix, ctx, state, new, shared)
-        kept = [n for n in self.state_names if n not in self.in_place_names]
-        outs = (h, pre_mix, *[new.get(n, state[n]) for n in kept], *[shared[k] for k in self.shared_out])
+        outs = (h, pre_mix, *[new.get(n, state[n]) for n in self.returned_state], *[shared[k] for k in self.shared_out])
         return self._finish(outs, cap)
 
 

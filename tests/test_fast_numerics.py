@@ -50,7 +50,7 @@ def test_fast_bundle_declares_and_calls_the_fast_ops(fast_bundle):
 
 
 def test_a_decode_step_writes_its_caches_in_place_on_a_copy(fast_bundle):
-    """graphs/stages.py AttnStage.in_place: the decode buckets' attention stages write one row of
+    """graphs/stages.py AttnStage.in_place_names: the decode buckets' attention stages write one row of
     the window ring, compressed KV and indexer keys into their input tensors, which the executor
     copies first (runtime_min/executors/executor_cpu.py): the state a step is given is unchanged,
     the one it returns has the row written, and an older schema version is refused for it."""
