@@ -122,6 +122,20 @@ def sparse_attn(q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, idx: to
     return torch.ops.dsneuron.sparse_attn(q, keys, sink, idx, scale)
 
 
+def official_index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The indexer's scores as the official bf16 expression gives them (indexer mode "official"):
+    q bf16 [B,S,H,D] (FP4-QDQ'd), index_k the cache rows uint8 [B,T,D/2 + D/32] (`quant.INDEX_K_FORMAT`),
+    w bf16 [B,S,H] -> bf16 [B,S,T] (`mqa_logits_ref.mqa_logits_bf16_ref` on the dequantised keys). In GEMM
+    order "kernel" the cpu op that reads the cache bytes directly, bit-identical
+    (kernels_nki/cpu_index.py)."""
+    if NUMERICS.gemm_order == "kernel":
+        from dsneuron.kernels_nki import cpu_index  # builds the kernels on first use
+
+        return cpu_index.index_scores(q, index_k, w)
+    k = state_values(index_k, q.shape[-1], INDEX_K_FORMAT)
+    return torch.ops.dsneuron.mqa_logits_bf16(q, k, w)
+
+
 def fp4_index_scores(q: torch.Tensor, index_k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The indexer's scores through the FP4 MQA-logits op (indexer mode "kernel").
 

@@ -57,7 +57,7 @@ from .cache_rows import leading, newest_positions, write_groups, write_rows, wri
 from .config import ModelConfig
 from .context import Capture, StepInputs, record, step_inputs
 from .dispatch import (fp4_index_scores, fp4_qdq, fp8_qdq, grouped_gemm, kernel_experts, kernel_fp8_activation, kernel_gemm,
-                       kernel_mean_square, plain_fmt, sparse_attn, state_bytes, state_values)
+                       kernel_mean_square, official_index_scores, plain_fmt, sparse_attn, state_bytes, state_values)
 from .mhc import hc_post, hc_pre, hc_split_sinkhorn
 from .numerics import NUMERICS, ieee_sqrt, row_sigmoid, row_softplus, stable_topk_indices
 from .quant import (COMPRESS_KV_FORMAT, INDEX_K_FORMAT, add_blocks, block_partials, dequant_fp4_weight, dequant_fp8_weight,
@@ -310,8 +310,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x) * (cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5)
         if NUMERICS.indexer == "kernel":
             return fp4_index_scores(q, index_k, w)
-        k = state_values(index_k, cfg.index_head_dim, INDEX_K_FORMAT)
-        return torch.ops.dsneuron.mqa_logits_bf16(q, k, w)
+        return official_index_scores(q, index_k, w)
 
 
 def select_candidate_blocks(scores: torch.Tensor, compress_lens: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:

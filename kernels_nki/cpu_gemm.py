@@ -1,7 +1,8 @@
 """Block-scaled GEMM kernels of the cpu target with a fixed summation order: C++ ops, layout, reference.
 
 Importing this module builds (first use, cached) and loads kernels_nki/cpu/gemm.cpp, sparse_attn.cpp,
-act_quant.cpp and rms_norm.cpp (one extension), which register (besides the QDQ and state ops below)
+act_quant.cpp, rms_norm.cpp and index_scores.cpp (one extension), which register (besides the QDQ
+and state ops below)
 
     torch.ops.dsneuron.gemm_panels(a, w, w_scale, fmt, n)                        -> fp32 [M, n]
     torch.ops.dsneuron.gemm_panels_acc(a, w, w_scale, fmt, n, init)             -> fp32 [M, n]   (sum from init)
@@ -9,6 +10,7 @@ act_quant.cpp and rms_norm.cpp (one extension), which register (besides the QDQ 
     torch.ops.dsneuron.sparse_attn_cpu(q, kv, sink, idx, scale)                 -> bf16 [B,S,H,D]  (cpu_attn.py)
     torch.ops.dsneuron.exp_cpu(x)                                               -> fp32            (cpu_attn.py)
     torch.ops.dsneuron.mean_square(xf)                                          -> fp32 [..., 1]   (rms_norm.py)
+    torch.ops.dsneuron.index_scores(q, index_k, w)                              -> bf16 [B,S,T]    (cpu_index.py)
 
 with fake implementations here, so both export (symbolic M included) and run inside AOTInductor
 packages through the proxy executor (this module must be imported before such a package runs).
@@ -71,7 +73,7 @@ PANEL = 16
 BLOCK = 32
 
 _SOURCES = [Path(__file__).parent / "cpu" / name for name in ("gemm.cpp", "sparse_attn.cpp", "act_quant.cpp",
-                                                                 "rms_norm.cpp")]
+                                                                 "rms_norm.cpp", "index_scores.cpp")]
 #: -ffp-contract=off: no fusing of what the source writes as a multiply and an add; the bindings use
 #: torch's stable C ABI of 2.10 (its headers compile in seconds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-DTORCH_TARGET_VERSION=0x020a000000000000"]
