@@ -86,3 +86,10 @@ def test_index_scores_refuse_bad_arguments_by_name():
                                               torch.empty(2, 9, 68, dtype=torch.uint8),
                                               torch.empty(2, 3, 4, dtype=torch.bfloat16))
     assert out.shape == (2, 3, 9) and out.dtype == torch.bfloat16
+
+
+def test_index_scores_equal_on_the_portable_build(portable_ops):
+    # the same float64 chains whatever the vector width: the AVX2 and the portable layer agree
+    q, index_k, w = operands(2, 3, 4, 45, seed=4)
+    assert torch.equal(portable_ops.index_scores(q, index_k, w).view(torch.int16),
+                       cpu_index.index_scores(q, index_k, w).view(torch.int16))
