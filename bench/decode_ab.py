@@ -1,6 +1,6 @@
 """Two bundles' decode steps side by side in one process: old against new on the same host.
 
-    python -m dsneuron.bench.decode_ab OLD NEW [--rounds 9] [--steps 24] [--position 300]
+    python -m dsneuron.bench.decode_ab OLD NEW [--rounds 9] [--steps 24] [--position 300] [--old-env NAME=VALUE]
 
 For every decode batch size both bundles compile, each round runs --steps decode steps of each
 bundle (the two in alternating order, A B then B A), chaining the state from --position on
@@ -9,13 +9,19 @@ executable call alone). Prints, per batch size, the median over the rounds for e
 the ratio NEW / OLD, and whether the two gave the same logits bit for bit on the same steps.
 Wall times on a shared 2-core machine drift by 10-30% between rounds; alternating the two in
 every round is what keeps the ratio steady, so the ratio from one run is the figure to quote.
-Raises SystemExit naming the problem when the bundles share no decode batch size.
+--old-env NAME=VALUE sets an environment variable while the OLD side runs (and unsets it for NEW):
+with the same bundle twice, an A/B of a kernel switch read at each call, such as
+DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding).
+Raises SystemExit naming the problem when the bundles share no decode batch size or --old-env is
+not NAME=VALUE.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -36,6 +42,24 @@ def decode_round(runner, batch: int, steps: int, position: int) -> tuple[float, 
     return statistics.median(seconds), logits
 
 
+@contextmanager
+def environment(assignment: str | None):
+    """NAME=VALUE set in os.environ (so C getenv sees it) while the block runs, then restored."""
+    if assignment is None:
+        yield
+        return
+    name, _, value = assignment.partition("=")
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
     from rich.console import Console
@@ -49,7 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--position", type=int, default=300)
+    ap.add_argument("--old-env", default=None, help="NAME=VALUE set while the OLD side runs")
     args = ap.parse_args(argv)
+    if args.old_env is not None and "=" not in args.old_env[1:]:
+        raise SystemExit(f"--old-env must be NAME=VALUE, got {args.old_env!r}")
+    envs = [args.old_env, None]
     runners = [Runner.load(args.old), Runner.load(args.new)]
     batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
     if not batches:
@@ -59,14 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     for col in ("batch", "old ms", "new ms", "new / old", "same logits"):
         table.add_column(col)
     for batch in batches:
-        for r in runners:  # loads the executables
-            decode_round(r, batch, 2, args.position)
+        for r, env in zip(runners, envs):  # loads the executables
+            with environment(env):
+                decode_round(r, batch, 2, args.position)
         times: list[list[float]] = [[], []]
         same = True
         for k in range(args.rounds):
             got = {}
             for i in ((0, 1) if k % 2 == 0 else (1, 0)):
-                seconds, got[i] = decode_round(runners[i], batch, args.steps, args.position)
+                with environment(envs[i]):
+                    seconds, got[i] = decode_round(runners[i], batch, args.steps, args.position)
                 times[i].append(seconds)
             same = same and all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
         old, new = (statistics.median(t) * 1e3 for t in times)

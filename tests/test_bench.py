@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dsneuron.bench.bundle import by_stage_kind, decode_bytes, gemm_shapes, stage_read_bytes
@@ -114,3 +116,11 @@ def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
     assert cells[0] == "1" and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[4] == "yes", out
     seconds, logits = decode_round(Session.load(micro_bundle.path).runner, 1, 3, 5)
     assert seconds > 0 and len(logits) == 3 and not all(logits[0].equal(x) for x in logits[1:])
+    # the same bundle with the exact kernels' scale folding off on the OLD side: the same logits
+    main([str(micro_bundle.path), str(micro_bundle.path), "--rounds", "2", "--steps", "3", "--position", "5",
+          "--old-env", "DSNEURON_EXACT_NO_FOLD=1"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip("│ ").startswith("1 "))
+    assert row.strip("│").split("│")[4].strip() == "yes"
+    assert "DSNEURON_EXACT_NO_FOLD" not in os.environ
+    with pytest.raises(SystemExit, match="NAME=VALUE"):
+        main([str(micro_bundle.path), str(micro_bundle.path), "--old-env", "JUSTANAME"])

@@ -227,6 +227,44 @@ def test_e4m3_nan_codes_and_huge_scales():
     assert out[:, 48:].abs().max() > 2.0**100
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_scale_folding_keeps_the_bits_at_the_range_edges(fmt, portable_ops):
+    """The decode path (rows <= 6) multiplies a block's partial by its power-of-two scale once
+    instead of every weight (gemm.cpp FoldRange) only where that gives the same bits: rows whose
+    chains would go subnormal (tiny activations against tiny scales), overflow (huge against huge),
+    UE8M0 byte 0 (2^-127), NaN and inf activations. Each case against the reference and the
+    portable layer."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 48, 128
+    weight, scale = checkpoint_weight(fmt, n, k, gen)
+
+    def with_bytes(*pattern):  # the scale bytes, every len(pattern)-th one set to each of pattern's
+        b = scale.view(torch.uint8).clone()
+        for i, byte in enumerate(pattern):
+            b.view(-1)[i:: len(pattern)] = byte
+        return b.view(torch.float8_e8m0fnu)
+
+    # 2^-30 (with activations near 2^-100 the products are subnormal), 2^-127 (byte 0), 2^73 (with
+    # activations near 2^60 the sums pass 2^128), 2^-126, and the test's usual range
+    scales = [with_bytes(97), with_bytes(200), with_bytes(97, 0, 200, 1, 120, 125, 131)]
+    rows = [activations(1, k, gen) * 2.0 ** -100, activations(1, k, gen) * 2.0 ** -120, activations(1, k, gen) * 2.0 ** 60,
+            activations(1, k, gen), torch.zeros(1, k), activations(1, k, gen) * 2.0 ** -140]
+    inf_row, nan_row = activations(1, k, gen), activations(1, k, gen)
+    inf_row[0, 7], nan_row[0, 100] = float("inf"), float("nan")
+    cases = [*rows, inf_row, nan_row, torch.cat(rows[:3]), torch.cat(rows)]
+    for s in scales:
+        for a in cases:
+            out, ref = run(fmt, a, weight, s), G.gemm_panels_ref(a, fmt, weight, s)
+            same = (out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan())
+            assert same.all(), f"rows {tuple(a.shape)}: {int((~same).sum())} elements differ"
+            port = run(fmt, a, weight, s, portable_ops)
+            assert ((port.view(torch.int32) == out.view(torch.int32)) | (port.isnan() & out.isnan())).all()
+    # the cases reach the edges: subnormal results and infinities occur
+    tiny = run(fmt, torch.cat(rows[:2]), weight, scales[0])
+    assert ((tiny != 0) & (tiny.abs() < 2.0 ** -126)).any()
+    assert run(fmt, rows[2], weight, scales[1]).isinf().any()
+
+
 # ------------------------------------------------------------------------------------------ layout
 
 def unprepare(fmt: str, prep: dict[str, torch.Tensor], n: int) -> torch.Tensor:

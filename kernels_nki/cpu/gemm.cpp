@@ -12,6 +12,8 @@
 //   rows <= 6   (bf16: 12) decode on the fly from the checkpoint bytes, per 6-row tile (tile_direct):
 //               one row keeps 4 blocks' partial chains in flight, two rows 2, so the fma latency is
 //               hidden; the next panel is prefetched meanwhile (M = 1 streams the weight once);
+//               fp8 / fp4 blocks take their power-of-two scale once, on the partial, where that
+//               gives the same bits (FoldRange);
 //   more rows   decode the panel once into a [K][16] fp32 buffer (L2-resident; fp32 weights are used
 //               in place), then 6 x 16 register tiles (tile_buf): 12 accumulators hold the block
 //               partials, the running acc lives in the 6 x 16 C tile in L1 and takes one add per
@@ -22,6 +24,9 @@
 // AVX2 layer; -DDSN_NS names the op namespace (dsneuron, or another one for a second variant loaded
 // next to it in tests).
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -58,9 +63,44 @@ int64_t panel_bytes(const D& d, int64_t kb) {
   return static_cast<const char*>(d.row_ptr(kb * kBlock)) - static_cast<const char*>(d.row_ptr(0));
 }
 
+// Scale folding. A block's partial is an fma chain p_k = fma(a_k, w_k, p_{k-1}) with w_k = r_k * f,
+// r_k the raw decoded value and f a power of two (simd.h). The chain q_k = fma(a_k, r_k, q_{k-1}) on
+// the raw values gives p_k = q_k * f exactly whenever no value of either chain leaves fp32's normal
+// range: scaling by a power of two commutes with rounding to nearest there. So the block's partial
+// may be computed as q * f, one multiply a block instead of one a weight, when
+//   - every value is a multiple of L = 2^(emin - 150) * kRawLsb (emin: the smallest biased exponent
+//     of a nonzero a_k of the tile's rows), so a nonzero value has magnitude >= L, and L >= 2^-126
+//     (the raw chain) and L * f >= 2^-126 and kRawLsb * f >= 2^-126 (the weights, the scaled chain);
+//   - no value can overflow: 32 * amax * kRawMax (twice, for the rounding) below 2^127 for the raw
+//     chain, times f for the scaled one, and kRawMax * f finite (amax: the rows' largest |a_k|,
+//     which must be finite).
+// `FoldRange` is the [lo, hi] that f must lie in for a tile's rows; a block outside it (and any
+// tile with a non-finite a) runs the per-weight products. Either way the same bits, so this is a
+// speed choice only: it saves the per-weight multiply on the decode path. DSNEURON_EXACT_NO_FOLD=1
+// in the environment turns it off (an A/B switch for the benchmarks, read at each call).
+struct FoldRange {
+  float lo = INFINITY, hi = -INFINITY;  // empty: never fold
+};
+
+// the FoldRange of rows whose smallest nonzero biased exponent is emin (256 when none is nonzero) and
+// largest magnitude amax, for raw values with step raw_lsb and bound raw_max
+FoldRange fold_range(int emin, float amax, float raw_lsb, float raw_max) {
+  FoldRange r;
+  const char* off = std::getenv("DSNEURON_EXACT_NO_FOLD");  // the benchmarks' A/B switch (bench/decode_ab.py)
+  if (off && off[0] == '1') return r;
+  if (!(amax <= 0x1p120f)) return r;  // NaN, inf or near the top: per-weight products
+  const double lsb = emin > 255 ? 1.0 : std::ldexp(1.0, std::max(emin, 1) - 150) * raw_lsb;  // L
+  const double bound = 64.0 * double(amax) * raw_max;
+  if (lsb < 0x1p-126 || bound >= 0x1p127) return r;
+  r.lo = float(std::max(0x1p-126 / lsb, 0x1p-126 / raw_lsb));
+  r.hi = float(std::min(bound > 0 ? 0x1p127 / bound : 0x1p127, 0x1p126 / raw_max));
+  return r;
+}
+
 // NB consecutive blocks b0.. of M rows of a (row stride lda), weights decoded on the fly; the
-// partials go into c in ascending block order. Prefetches the next panel, `next` bytes on.
-template <int M, int NB, class D>
+// partials go into c in ascending block order. Prefetches the next panel, `next` bytes on. kFold:
+// each partial on the raw values, times the block's factor once (see FoldRange).
+template <int M, int NB, bool kFold, class D>
 inline void group_direct(const D& d, const float* a, int64_t lda, int64_t b0, int64_t next, float* c) {
   typename D::Blk st[NB];
   for (int i = 0; i < NB; ++i) st[i] = d.block(b0 + i);
@@ -72,7 +112,8 @@ inline void group_direct(const D& d, const float* a, int64_t lda, int64_t b0, in
     for (int i = 0; i < NB; ++i) {
       const int64_t k = (b0 + i) * kBlock + j;
       V w[2 * D::R];
-      d.rows(st[i], k, w);
+      if constexpr (kFold) d.rows_raw(k, w);
+      else d.rows(st[i], k, w);
       prefetch(d.row_ptr(k), next);  // the same row of the next panel: its load overlaps this math
       for (int r = 0; r < D::R; ++r)
         for (int m = 0; m < M; ++m) {
@@ -82,16 +123,32 @@ inline void group_direct(const D& d, const float* a, int64_t lda, int64_t b0, in
         }
     }
   }
+  if constexpr (kFold)
+    for (int i = 0; i < NB; ++i)
+      for (int m = 0; m < M; ++m)
+        for (int h = 0; h < 2; ++h) p[i][m][h] = vmul(p[i][m][h], d.fold_lane(st[i], h));
   for (int i = 0; i < NB; ++i) add_partials<M>(c, p[i]);
 }
 
+// blocks b0 .. b0 + nb - 1 of a group, folded when D folds and every factor lies in fr
+template <int M, int NB, class D>
+inline void group_any(const D& d, const float* a, int64_t lda, int64_t b0, int64_t next, float* c,
+                      const FoldRange& fr) {
+  if constexpr (D::kFold) {
+    bool fold = true;
+    for (int i = 0; i < NB && fold; ++i) fold = d.fold_ok(b0 + i, fr.lo, fr.hi);
+    if (fold) return group_direct<M, NB, true>(d, a, lda, b0, next, c);
+  }
+  group_direct<M, NB, false>(d, a, lda, b0, next, c);
+}
+
 template <int M, class D>
-void tile_direct(const D& d, const float* a, int64_t lda, int64_t kb, float* c) {
+void tile_direct(const D& d, const float* a, int64_t lda, int64_t kb, float* c, const FoldRange& fr) {
   constexpr int NB = M == 1 ? 4 : M == 2 ? 2 : 1;  // keep >= 8 independent fma chains
   const int64_t next = panel_bytes(d, kb);
   int64_t b = 0;
-  for (; b + NB <= kb; b += NB) group_direct<M, NB>(d, a, lda, b, next, c);
-  for (; b < kb; ++b) group_direct<M, 1>(d, a, lda, b, next, c);
+  for (; b + NB <= kb; b += NB) group_any<M, NB>(d, a, lda, b, next, c, fr);
+  for (; b < kb; ++b) group_any<M, 1>(d, a, lda, b, next, c, fr);
 }
 
 // M rows against a decoded panel w [K][16]; a is one packed tile [K][6] (kPacked) or rows of stride lda
@@ -150,11 +207,12 @@ void by_rows(int mr, F&& f) {
 }
 
 // `rows` rows of a (row stride K, or packed as tiles [K][6] when `packed`) against one panel ->
-// out[rows][cols] (row stride ldo), decoded on the fly (`direct`) or once into buf (K*16 floats);
-// `acc`: each element's sum starts from what out holds (gemm_panels_acc) instead of 0
+// out[rows][cols] (row stride ldo), decoded on the fly (`direct`, the tile's rows folding where `fr`
+// allows) or once into buf (K*16 floats); `acc`: each element's sum starts from what out holds
+// (gemm_panels_acc) instead of 0
 template <class D>
 void run_panel(const D& d, const float* a, bool packed, bool direct, int64_t K, int64_t rows, float* out, int64_t ldo,
-               int64_t cols, float* buf, bool acc) {
+               int64_t cols, float* buf, bool acc, const FoldRange& fr) {
   const int64_t kb = K / kBlock;
   const float* w = nullptr;
   if (!direct && !(w = values_in_place(d))) {
@@ -169,7 +227,7 @@ void run_panel(const D& d, const float* a, bool packed, bool direct, int64_t K, 
       for (int m = 0; m < mr; ++m) std::copy(out + (m0 + m) * ldo, out + (m0 + m) * ldo + cols, c + m * kPanel);
     const float* am = a + m0 * K;  // row m0, or tile m0 / 6
     by_rows(mr, [&](auto MR) {
-      if (!w) tile_direct<MR()>(d, am, K, kb, c);
+      if (!w) tile_direct<MR()>(d, am, K, kb, c, fr);
       else if (packed) tile_buf<MR(), true>(am, K, w, kb, c);
       else tile_buf<MR(), false>(am, K, w, kb, c);
     });
@@ -219,6 +277,28 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
         for (int64_t m = 0; m < mr; ++m) dst[k * kTile + m] = ab[(r0 + m) * K + k];
     }
   });
+  // the rows the direct items read: their smallest nonzero exponent and largest magnitude (FoldRange)
+  std::vector<int> emin(R, 256);
+  std::vector<float> amax(R, 0.0f);
+  std::vector<char> direct_row(R, 0);
+  for (const Item& it : items)
+    if (it.r1 - it.r0 <= direct_rows(fmt) && (fmt == FP8 || fmt == FP4))
+      std::fill(direct_row.begin() + it.r0, direct_row.begin() + it.r1, 1);
+  for (int64_t r = 0; r < R; ++r) {
+    if (!direct_row[r]) continue;
+    int e = 256;
+    float m = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float x = ab[r * K + k];
+      uint32_t u;
+      std::memcpy(&u, &x, 4);
+      const int be = int((u >> 23) & 0xFF);
+      if (u << 1) e = std::min(e, be);
+      m = x != x ? INFINITY : std::max(m, std::fabs(x));  // a NaN row never folds
+    }
+    emin[r] = e;
+    amax[r] = m;
+  }
   const Panels pn(w, s, lead);
   float* ob = static_cast<float*>(out.mutable_data_ptr());
   torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, pn.panel_bytes, kTile), [&](int64_t begin, int64_t end) {
@@ -232,8 +312,17 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
       const bool packed = tile0[it.e + 1] > tile0[it.e] && !direct;
       const float* at = packed ? ap.get() + (tile0[it.e] + (it.r0 - seg[it.e]) / kTile) * K * kTile : ab + it.r0 * K;
       with_decoder(fmt, pn.weight(it), pn.scale(it), K, [&](const auto& d) {
+        using D = std::decay_t<decltype(d)>;
+        FoldRange fr;
+        if constexpr (D::kFold)
+          if (direct) {
+            int e = 256;
+            float m = 0.0f;
+            for (int64_t r = it.r0; r < it.r1; ++r) e = std::min(e, emin[r]), m = std::max(m, amax[r]);
+            fr = fold_range(e, m, D::kRawLsb, D::kRawMax);
+          }
         run_panel(d, at, packed, direct, K, it.r1 - it.r0, ob + it.r0 * n + it.p * kPanel, n, cols, buf.get(),
-                  init != nullptr);
+                  init != nullptr, fr);
       });
     }
   });

@@ -109,7 +109,6 @@ inline void store_bf16(uint16_t* p, V x, int n) {
 
 inline uint32_t fbits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
 inline float bitsf(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
-inline V vmul(V a, V b) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
 inline V vsub(V a, V b) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
 inline V vdiv(V a, V b) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] / b.v[i]; return r; }
 inline V vmax_nan(V a, V b) {
