@@ -9,11 +9,12 @@ executable call alone). Prints, per batch size, the median over the rounds for e
 the ratio NEW / OLD, and whether the two gave the same logits bit for bit on the same steps.
 Wall times on a shared 2-core machine drift by 10-30% between rounds; alternating the two in
 every round is what keeps the ratio steady, so the ratio from one run is the figure to quote.
---old-env NAME=VALUE sets an environment variable while the OLD side runs (and unsets it for NEW):
-with the same bundle twice, an A/B of a kernel switch read at each call, such as
-DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding).
+--old-env NAME=VALUE sets an environment variable while the OLD side runs and unsets it while NEW
+runs: with the same bundle twice, an A/B of a kernel switch read at each call, such as
+DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding). A
+variable read only when a kernel is built (DSNEURON_FAST_NO_AMX) changes nothing here.
 Raises SystemExit naming the problem when the bundles share no decode batch size or --old-env is
-not NAME=VALUE.
+not NAME=VALUE with a nonempty NAME.
 """
 
 from __future__ import annotations
@@ -43,19 +44,22 @@ def decode_round(runner, batch: int, steps: int, position: int) -> tuple[float, 
 
 
 @contextmanager
-def environment(assignment: str | None):
-    """NAME=VALUE set in os.environ (so C getenv sees it) while the block runs, then restored."""
-    if assignment is None:
+def environment(name: str | None, value: str | None):
+    """os.environ[name] = value (so C getenv sees it), or name unset when value is None, while the
+    block runs, then restored; nothing when name is None."""
+    if name is None:
         yield
         return
-    name, _, value = assignment.partition("=")
     before = os.environ.get(name)
-    os.environ[name] = value
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[name]
+            os.environ.pop(name, None)
         else:
             os.environ[name] = before
 
@@ -75,9 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--position", type=int, default=300)
     ap.add_argument("--old-env", default=None, help="NAME=VALUE set while the OLD side runs")
     args = ap.parse_args(argv)
-    if args.old_env is not None and "=" not in args.old_env[1:]:
-        raise SystemExit(f"--old-env must be NAME=VALUE, got {args.old_env!r}")
-    envs = [args.old_env, None]
+    name = value = None
+    if args.old_env is not None:
+        name, eq, value = args.old_env.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"--old-env must be NAME=VALUE with a nonempty NAME, got {args.old_env!r}")
+    envs = [(name, value), (name, None)]  # OLD with the variable, NEW without it
     runners = [Runner.load(args.old), Runner.load(args.new)]
     batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
     if not batches:
@@ -88,14 +95,14 @@ def main(argv: list[str] | None = None) -> None:
         table.add_column(col)
     for batch in batches:
         for r, env in zip(runners, envs):  # loads the executables
-            with environment(env):
+            with environment(*env):
                 decode_round(r, batch, 2, args.position)
         times: list[list[float]] = [[], []]
         same = True
         for k in range(args.rounds):
             got = {}
             for i in ((0, 1) if k % 2 == 0 else (1, 0)):
-                with environment(envs[i]):
+                with environment(*envs[i]):
                     seconds, got[i] = decode_round(runners[i], batch, args.steps, args.position)
                 times[i].append(seconds)
             same = same and all(torch.equal(a, b) for a, b in zip(got[0], got[1]))

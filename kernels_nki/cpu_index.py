@@ -9,7 +9,10 @@ q bf16 [B,S,H,D] (the FP4-QDQ'd index queries, D a multiple of 32), index_k uint
 (the cache rows of graphs/quant.py INDEX_K_FORMAT: packed e2m1 codes, then one UE8M0 byte per 32),
 w bf16 [B,S,H] (the head weights). Contract, bit for bit: `index_scores_ref`, the golden's
 expression (`mqa_logits_ref.mqa_logits_bf16_ref` on the dequantised keys), whenever the golden's
-float64 dot products are exact, as they are for FP4-QDQ'd operands (index_scores.cpp says why). The
+float64 dot products are exact. For FP4-QDQ'd operands they are while the 32-element blocks of a
+q row and a key span at most about 40 binades of scale between them (index_scores.cpp says why;
+real activations span far fewer); past that the golden's float64 GEMM rounds in its BLAS's order
+and the op's chain, the more accurate of the two, can differ from it (measured at 2^100). The
 dots are float64 chains in ascending d, so the op's result depends neither on the ISA, the thread
 count, the batch nor the key's place in the cache; the head sum is ATen's. Bad arguments raise
 ValueError naming the argument, from the C++ op and the fake alike.

@@ -122,5 +122,19 @@ def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if line.strip("│ ").startswith("1 "))
     assert row.strip("│").split("│")[4].strip() == "yes"
     assert "DSNEURON_EXACT_NO_FOLD" not in os.environ
-    with pytest.raises(SystemExit, match="NAME=VALUE"):
-        main([str(micro_bundle.path), str(micro_bundle.path), "--old-env", "JUSTANAME"])
+    for bad in ("JUSTANAME", "=1", "==1"):
+        with pytest.raises(SystemExit, match="NAME=VALUE"):
+            main([str(micro_bundle.path), str(micro_bundle.path), "--old-env", bad])
+
+
+def test_decode_ab_environment_sets_for_old_and_unsets_for_new(monkeypatch):
+    """The OLD side sees NAME=VALUE, the NEW side no NAME even when the caller exported it, and the
+    caller's value comes back afterwards."""
+    from dsneuron.bench.decode_ab import environment
+
+    monkeypatch.setenv("DSN_TEST_AB", "caller")
+    with environment("DSN_TEST_AB", "1"):
+        assert os.environ["DSN_TEST_AB"] == "1"
+    with environment("DSN_TEST_AB", None):
+        assert "DSN_TEST_AB" not in os.environ
+    assert os.environ["DSN_TEST_AB"] == "caller"

@@ -80,6 +80,8 @@ def test_index_scores_refuse_bad_arguments_by_name():
             cpu_index.index_scores(*args)
         with pytest.raises(ValueError, match=msg):
             cpu_index.check_args(*args)
+    with pytest.raises(ValueError, match=r"got Byte \[1, 8, 67\]"):  # the C++ op names the shape it got
+        cpu_index.index_scores(q, index_k[..., :-1], w)
     fake = torch._subclasses.FakeTensorMode()
     with fake:
         out = torch.ops.dsneuron.index_scores(torch.empty(2, 3, 4, 128, dtype=torch.bfloat16),

@@ -14,8 +14,8 @@
 // d, vectorised across the 16 keys of a tile only, so the sum is the same on every ISA, thread count
 // and batch. It equals the golden's float64 GEMM whenever that sum is exact, which holds for the
 // model's FP4-QDQ'd operands: each 32-block's products are multiples of one power of two, below
-// 2^13 of them, and the D/32 blocks' scales lie within 30 binades (UE8M0 scales of one row's
-// activations). The relu, the weighting and the head sum are ATen's own ops, called through the
+// 2^13 of them, so the sum stays exact while the D/32 blocks' scales (q's times k's) span at most
+// about 40 binades (UE8M0 scales of one row's activations span far fewer). The relu, the weighting and the head sum are ATen's own ops, called through the
 // dispatcher, so they are the golden's bits on this host as the golden's are.
 // Source: DeepSeek-V4.1-Flash:inference/model.py Indexer.forward (einsum "bshd,btd->bsht", relu,
 // times the weights, sum over the heads).
@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -80,6 +82,14 @@ inline void decode_key(const uint8_t* row, int64_t D, double* kt, int64_t j) {
   }
 }
 
+std::string shape_of(const Tensor& t) {
+  std::ostringstream o;
+  o << torch::headeronly::toString(t.scalar_type()) << " [";
+  for (int64_t i = 0; i < t.dim(); ++i) o << (i ? ", " : "") << t.size(i);
+  o << "]";
+  return o.str();
+}
+
 Tensor call(const char* op, const char* overload, StableIValue* stack) {
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(op, overload, stack, TORCH_ABI_VERSION));
   return to<Tensor>(stack[0]);
@@ -87,18 +97,16 @@ Tensor call(const char* op, const char* overload, StableIValue* stack) {
 
 Tensor index_scores(Tensor q_in, Tensor k_in, Tensor w_in) {
   const char* op = "index_scores";
-  DSN_CHECK(q_in.scalar_type() == ST::BFloat16 && q_in.dim() == 4, op, ": q must be bf16 [B,S,H,D], got ",
-            torch::headeronly::toString(q_in.scalar_type()), " with ", q_in.dim(), " dims");
+  DSN_CHECK(q_in.scalar_type() == ST::BFloat16 && q_in.dim() == 4, op, ": q must be bf16 [B,S,H,D], got ", shape_of(q_in));
   const int64_t B = q_in.size(0), S = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   DSN_CHECK(D > 0 && D % kBlock == 0, op, ": q's head dim must be a positive multiple of ", kBlock, ", got ", D);
   const int64_t row = D / 2 + D / kBlock;
   DSN_CHECK(k_in.scalar_type() == ST::Byte && k_in.dim() == 3 && k_in.size(0) == B && k_in.size(2) == row, op,
             ": index_k must be uint8 [B=", B, ",T,", row, "] (D/2 e2m1 bytes and D/32 UE8M0 bytes a key), got ",
-            torch::headeronly::toString(k_in.scalar_type()), " with ", k_in.dim(), " dims");
+            shape_of(k_in));
   DSN_CHECK(w_in.scalar_type() == ST::BFloat16 && w_in.dim() == 3 && w_in.size(0) == B && w_in.size(1) == S &&
                 w_in.size(2) == H,
-            op, ": w must be bf16 [B=", B, ",S=", S, ",H=", H, "], got ", torch::headeronly::toString(w_in.scalar_type()),
-            " with ", w_in.dim(), " dims");
+            op, ": w must be bf16 [B=", B, ",S=", S, ",H=", H, "], got ", shape_of(w_in));
   const int64_t T = k_in.size(1);
   // a leading slice of the cache is fine as it is: only each key's bytes must be contiguous
   const Tensor k = (k_in.stride(2) == 1 && k_in.stride(1) == row) ? k_in : torch::stable::contiguous(k_in);
