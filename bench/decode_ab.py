@@ -14,7 +14,7 @@ runs: with the same bundle twice, an A/B of a kernel switch read at each call, s
 DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding). A
 variable read only when a kernel is built (DSNEURON_FAST_NO_AMX) changes nothing here.
 Raises SystemExit naming the problem when the bundles share no decode batch size or --old-env is
-not NAME=VALUE with a nonempty NAME.
+not NAME=VALUE with a nonempty NAME; a bundle that cannot be loaded exits 2 with its reason.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from dsneuron import UserError
     from dsneuron.runtime_min.core.runner import Runner
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -85,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
         if not eq or not name:
             raise SystemExit(f"--old-env must be NAME=VALUE with a nonempty NAME, got {args.old_env!r}")
     envs = [(name, value), (name, None)]  # OLD with the variable, NEW without it
-    runners = [Runner.load(args.old), Runner.load(args.new)]
+    try:
+        runners = [Runner.load(args.old), Runner.load(args.new)]
+    except UserError as e:  # a missing or unusable bundle: its one-line reason, exit code 2 as the CLI's
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
     if not batches:
         raise SystemExit(f"the bundles share no decode batch size ({runners[0].decode_batches} and "

@@ -125,6 +125,9 @@ def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
     for bad in ("JUSTANAME", "=1", "==1"):
         with pytest.raises(SystemExit, match="NAME=VALUE"):
             main([str(micro_bundle.path), str(micro_bundle.path), "--old-env", bad])
+    with pytest.raises(SystemExit) as missing:  # no traceback for a missing bundle: its reason, exit 2
+        main([str(micro_bundle.path), str(micro_bundle.path) + "-missing"])
+    assert missing.value.code == 2 and "missing" in capsys.readouterr().err
 
 
 def test_decode_ab_environment_sets_for_old_and_unsets_for_new(monkeypatch):
