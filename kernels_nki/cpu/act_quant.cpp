@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bits.h"
 #include "check.h"
 
 #ifndef DSN_NS
@@ -56,10 +57,8 @@ constexpr float kE4m3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;            // graphs/quant.py _FP8_AMAX_FLOOR, as fp32
 constexpr float kInvE4m3Max = 1.0f / 448.0f;   // fp32(1/448), as torch rounds the Python float
 
-inline uint32_t bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-inline float from_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bf16) { return from_bits(uint32_t(bf16) << 16); }
+inline float to_float(uint16_t bf16) { return bf16_value(bf16); }
 
 // nearest-even e4m3fn value of v (|v| <= 448, or NaN, kept), as fp32
 inline float e4m3(float v) {
@@ -337,13 +336,6 @@ inline float e4m3_value(uint8_t b) {
   float a = e ? std::ldexp(float(8 + m), e - 10) : float(m) * (1.0f / 512.0f);
   if (e == 15 && m == 7) a = NAN;
   return (b & 0x80) ? -a : a;
-}
-
-// fp32 -> bf16 bits, round to nearest even (exact for the values decoded here); NaN kept quiet
-inline uint16_t bf16_bits(float x) {
-  const uint32_t u = bits(x);
-  if (x != x) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #ifdef __AVX2__

@@ -86,8 +86,6 @@ struct FoldRange {
 // largest magnitude amax, for raw values with step raw_lsb and bound raw_max
 FoldRange fold_range(int emin, float amax, float raw_lsb, float raw_max) {
   FoldRange r;
-  const char* off = std::getenv("DSNEURON_EXACT_NO_FOLD");  // the benchmarks' A/B switch (bench/decode_ab.py)
-  if (off && off[0] == '1') return r;
   if (!(amax <= 0x1p120f)) return r;  // NaN, inf or near the top: per-weight products
   const double lsb = emin > 255 ? 1.0 : std::ldexp(1.0, std::max(emin, 1) - 150) * raw_lsb;  // L
   const double bound = 64.0 * double(amax) * raw_max;
@@ -277,13 +275,16 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
         for (int64_t m = 0; m < mr; ++m) dst[k * kTile + m] = ab[(r0 + m) * K + k];
     }
   });
-  // the rows the direct items read: their smallest nonzero exponent and largest magnitude (FoldRange)
+  // the rows the direct items read: their smallest nonzero exponent and largest magnitude (FoldRange);
+  // once a call, as is the benchmarks' A/B switch (bench/decode_ab.py)
+  const char* no_fold = std::getenv("DSNEURON_EXACT_NO_FOLD");
+  const bool fold = (fmt == FP8 || fmt == FP4) && !(no_fold && no_fold[0] == '1');
+  auto is_direct = [&](const Item& it) { return it.r1 - it.r0 <= direct_rows(fmt); };
   std::vector<int> emin(R, 256);
   std::vector<float> amax(R, 0.0f);
   std::vector<char> direct_row(R, 0);
   for (const Item& it : items)
-    if (it.r1 - it.r0 <= direct_rows(fmt) && (fmt == FP8 || fmt == FP4))
-      std::fill(direct_row.begin() + it.r0, direct_row.begin() + it.r1, 1);
+    if (fold && is_direct(it)) std::fill(direct_row.begin() + it.r0, direct_row.begin() + it.r1, 1);
   for (int64_t r = 0; r < R; ++r) {
     if (!direct_row[r]) continue;
     int e = 256;
@@ -305,17 +306,17 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
     std::unique_ptr<float[]> buf;  // the decoded panel, from the first item that needs one
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
-      if (!buf && fmt != FP32 && it.r1 - it.r0 > direct_rows(fmt)) buf.reset(new float[K * kPanel]);
+      if (!buf && fmt != FP32 && !is_direct(it)) buf.reset(new float[K * kPanel]);
       const int64_t cols = std::min(kPanel, n - it.p * kPanel);
       // chunks that decode on the fly read a in place
-      const bool direct = it.r1 - it.r0 <= direct_rows(fmt);
+      const bool direct = is_direct(it);
       const bool packed = tile0[it.e + 1] > tile0[it.e] && !direct;
       const float* at = packed ? ap.get() + (tile0[it.e] + (it.r0 - seg[it.e]) / kTile) * K * kTile : ab + it.r0 * K;
       with_decoder(fmt, pn.weight(it), pn.scale(it), K, [&](const auto& d) {
         using D = std::decay_t<decltype(d)>;
         FoldRange fr;
         if constexpr (D::kFold)
-          if (direct) {
+          if (fold && direct) {
             int e = 256;
             float m = 0.0f;
             for (int64_t r = it.r0; r < it.r1; ++r) e = std::min(e, emin[r]), m = std::max(m, amax[r]);

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "bits.h"
 #include "check.h"
 
 #ifndef DSN_NS
@@ -50,17 +51,6 @@ using ST = torch::headeronly::ScalarType;
 constexpr int64_t kBlock = 32;  // UE8M0 scale block of the index keys (graphs/quant.py INDEX_K_FORMAT)
 constexpr int64_t kTile = 16;   // keys decoded together; the SIMD lanes of the dot products
 
-inline float f32_of_bits(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
-inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-inline float bf16_value(uint16_t h) { return f32_of_bits(uint32_t(h) << 16); }
-
-// fp32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN
-inline uint16_t bf16_bits(float x) {
-  const uint32_t u = bits_of(x);
-  if (x != x) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 // key t's D values into lane j of the tile kt [D][kTile]: per 32-block the 16 values e2m1 x s in
 // fp32, which are state_dequant's bf16 values exactly (at most 3 significant bits, and fp32 keeps
 // e2m1 x 2^-127; 6 x 2^127 is inf in both), then widened to float64
@@ -70,7 +60,7 @@ inline void decode_key(const uint8_t* row, int64_t D, double* kt, int64_t j) {
   for (int64_t blk = 0; blk < D / kBlock; ++blk) {
     const uint8_t sb = row[D / 2 + blk];
     // UE8M0: 2^(byte - 127); byte 0 is 2^-127 (an fp32 subnormal), 255 NaN
-    const float s = sb == 255 ? NAN : sb == 0 ? 0x1p-127f : f32_of_bits(uint32_t(sb) << 23);
+    const float s = sb == 255 ? NAN : sb == 0 ? 0x1p-127f : from_bits(uint32_t(sb) << 23);
     double v[16];
     for (int c = 0; c < 16; ++c) v[c] = double(e2m1[c] * s);
     const uint8_t* codes = row + blk * kBlock / 2;
