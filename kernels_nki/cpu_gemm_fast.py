@@ -30,7 +30,9 @@ Build: variant "amx" (the flags below plus -mamx-tile -mamx-bf16) where /proc/cp
 amx_bf16 and amx_tile and Linux grants the process the AMX tile state (`request_amx`;
 DSNEURON_FAST_NO_AMX=1 skips it: the A/B switch of the benchmarks), else "avx512bf16" (-mavx512f
 -mavx512bw -mavx512vl -mavx512bf16 on top of the AVX2 flags) where /proc/cpuinfo lists avx512_bf16
-and avx512bw and torch runs at AVX512 capability, else cpu_gemm's variant ("avx2", "generic").
+and avx512bw and torch runs at AVX512 capability, or "avx512vbmi" (those plus -mavx512vbmi) where
+it also lists avx512vbmi: the same kernel, its FP8 weights expanded to bf16 by byte-table lookups
+(VPERMI2B) instead of arithmetic, the same bits; else cpu_gemm's variant ("avx2", "generic").
 Cached under $XDG_CACHE_HOME/dsneuron/cpu_gemm like cpu_gemm.
 """
 
@@ -50,7 +52,8 @@ _SOURCE = Path(__file__).parent / "cpu" / "gemm_fast.cpp"
 #: the fast kernel's formats, by code (the first three of cpu_gemm.FORMATS)
 FAST_FORMATS = FORMATS[:3]
 _AVX512BF16 = [*cpu_gemm.ISA_FLAGS["avx2"], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-ISA_FLAGS = {"amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"], "avx512bf16": _AVX512BF16, **cpu_gemm.ISA_FLAGS}
+ISA_FLAGS = {"amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"], "avx512vbmi": [*_AVX512BF16, "-mavx512vbmi"],
+             "avx512bf16": _AVX512BF16, **cpu_gemm.ISA_FLAGS}
 
 # Linux: a process must ask for the AMX tile state before its first AMX instruction (else SIGILL):
 # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), kernel Documentation/arch/x86/xstate.rst
@@ -80,15 +83,18 @@ def request_amx() -> bool:
 
 
 def host_variant() -> str:
-    """"amx" when the CPU has AMX-BF16 and the kernel grants its tile state, else "avx512bf16" when
-    it has AVX512-BF16 and AVX512BW; both need torch at AVX512 capability (ATEN_CPU_CAPABILITY can
-    lower it, and DSNEURON_FAST_NO_AMX=1 keeps AMX off); else cpu_gemm.host_variant()."""
+    """"amx" when the CPU has AMX-BF16 and the kernel grants its tile state, else "avx512vbmi" when
+    it has AVX512-BF16, AVX512BW and AVX512-VBMI, "avx512bf16" when it lacks VBMI; all three need
+    torch at AVX512 capability (ATEN_CPU_CAPABILITY can lower it; DSNEURON_FAST_NO_AMX=1 keeps AMX
+    off and DSNEURON_FAST_NO_VBMI=1 the table expansion: the benchmarks' A/B switches); else
+    cpu_gemm.host_variant()."""
     flags = cpu_flags()
     if cpu_gemm.host_variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX512" and \
             {"avx512_bf16", "avx512bw", "avx512vl"} <= flags:
         if {"amx_bf16", "amx_tile"} <= flags and os.environ.get("DSNEURON_FAST_NO_AMX") != "1" and request_amx():
             return "amx"
-        return "avx512bf16"
+        vbmi = "avx512vbmi" in flags and os.environ.get("DSNEURON_FAST_NO_VBMI") != "1"
+        return "avx512vbmi" if vbmi else "avx512bf16"
     return cpu_gemm.host_variant()
 
 
