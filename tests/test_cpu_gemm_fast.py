@@ -164,4 +164,29 @@ def test_amx_can_be_turned_off():
     code = "from dsneuron.kernels_nki import cpu_gemm_fast as F; print(F.VARIANT)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DSNEURON_FAST_NO_AMX": "1"},
                          capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split()[-1] == ("avx512vbmi" if "avx512vbmi" in F.cpu_flags() else "avx512bf16")
+
+
+@pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")
+@pytest.mark.parametrize("m", [1, 3, 7, 29])
+def test_table_expansion_equals_the_arithmetic_one(m):
+    """The avx512vbmi variant expands FP8 by byte tables, avx512bf16 by arithmetic: the same bits on
+    every code (NaN included), on the decode path (M <= 4) and the expanded panel (M > 4), plain
+    and grouped; and DSNEURON_FAST_NO_VBMI=1 selects the arithmetic one."""
+    F.build("avx512bf16", namespace="dsneuron_fast_arith")
+    arith = torch.ops.dsneuron_fast_arith
+    gen = torch.Generator().manual_seed(m)
+    codes = torch.randint(0, 256, (3, 48, 256), generator=gen, dtype=torch.uint8)
+    codes[0, :8].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every code, 0x7F and 0xFF too
+    scale = torch.randint(100, 150, (3, 2, 8), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a = activations(m, 256, gen)
+    prep = G.prepare_weight("fp8", codes[0].view(torch.float8_e4m3fn), scale[0])
+    assert_bits(OPS.gemm_fast(a, prep["w"], prep["w_scale"], 0, 48), arith.gemm_fast(a, prep["w"], prep["w_scale"], 0, 48))
+    stacked = G.prepare_weight("fp8", codes.view(torch.float8_e4m3fn), scale)
+    offsets = torch.tensor([0, m // 2, m // 2, m])
+    args = (a, offsets, stacked["w"], stacked["w_scale"], 0, 48)
+    assert_bits(OPS.gemm_fast_segments(*args), arith.gemm_fast_segments(*args))
+    code = "from dsneuron.kernels_nki import cpu_gemm_fast as F; print(F.VARIANT)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DSNEURON_FAST_NO_VBMI": "1"},
+                         capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split()[-1] == "avx512bf16"

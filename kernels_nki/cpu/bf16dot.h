@@ -90,13 +90,14 @@ inline W fp8_pair(const uint8_t* code, __m512i bias, __m512i sub) {
 
 #if defined(__AVX512VBMI__)
 // e4m3fn magnitude (7 bits) -> the low and the high byte of its bf16 bits, by magnitude: what
-// fp8_pair computes (normals (mag << 4) + 0x3C00, subnormals m * 2^-9, 0x7F NaN 0x7FC0), as tables
+// fp8_pair computes (normals (mag << 4) + 0x3C00, subnormals m * 2^-9, and for 0x7F the NaN 0x7FF0,
+// its normal formula's 0x43F0 with the quiet-NaN bits set), as tables
 struct E4m3Bytes { alignas(64) uint8_t lo[128]; alignas(64) uint8_t hi[128]; };
 constexpr E4m3Bytes e4m3_bytes() {
   constexpr uint16_t sub[8] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
   E4m3Bytes t{};
   for (int mag = 0; mag < 128; ++mag) {
-    const uint16_t b = mag == 0x7F ? 0x7FC0 : mag < 8 ? sub[mag] : uint16_t((mag << 4) + 0x3C00);
+    const uint16_t b = mag == 0x7F ? 0x7FF0 : mag < 8 ? sub[mag] : uint16_t((mag << 4) + 0x3C00);
     t.lo[mag] = uint8_t(b & 0xFF);
     t.hi[mag] = uint8_t(b >> 8);
   }
