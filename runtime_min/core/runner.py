@@ -459,18 +459,43 @@ class Runner:
                               "reads the head's and the target layers' inputs, which only a staged (cpu target) bucket gives")
         return (*(f"layers.{L}.attn" for L in target_layers), "head")
 
-    @staticmethod
-    def _tapped_outputs(exe: "StagedExecutable", step: Step, S: int, target_layers: Sequence[int]
+    def _tapped_outputs(self, exe: "StagedExecutable", step: Step, S: int, target_layers: Sequence[int]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits fp32 [B, S, V], main_hidden bf16 [B, S, T*D]) of a tapped call's first S positions."""
         from dsneuron.kernels_nki.hc_mean import main_hidden_of
 
-        head = step.taps["head"]
-        B = head["h"].size(0)
-        logits = torch.stack([exe.run_stage("head", {**head, "last": torch.full((B,), j, dtype=torch.int64)})[0]
-                              for j in range(S)], dim=1)
+        logits = self._position_logits(exe, step.taps["head"], S)
         hidden = torch.cat([main_hidden_of(step.taps[f"layers.{L}.attn"]["h"][:, :S]) for L in target_layers], dim=-1)
         return logits, hidden
+
+    def _position_logits(self, exe: "StagedExecutable", head: dict[str, torch.Tensor], S: int) -> torch.Tensor:
+        """Logits fp32 [B, S, V] at positions 0..S-1 of every row of a call whose head stage was
+        given `head` (h bf16 [B, Sp, hc, D], pre_mix fp32 [B, Sp, hc]). The head stage reads one
+        position a row, so the B * S positions go, as rows of one token each, through the head stage
+        of the staged decode bucket with the most rows (G): one read of the head's weight per G
+        positions instead of per position (the weight dominates: tiny's is 265 MB). A row's logits do
+        not depend on its batch bucket or its neighbours (the kernels' batch invariance, what the
+        scheduler's same-text-as-alone rests on), so they are the bits of the call's own head at
+        each position, which is what runs, once per position, when no decode bucket has G >= 2."""
+        h, mix = head["h"], head["pre_mix"]
+        B = h.size(0)
+        batches = [g for g in self.decode_batches if self._buckets[("decode", g, self.lengths("decode", g)[0])].stages]
+        G = max(batches, default=1)
+        if G < 2 or B * S < 2:
+            return torch.stack([exe.run_stage("head", {**head, "last": torch.full((B,), j, dtype=torch.int64)})[0]
+                                for j in range(S)], dim=1)
+        wide = self.executable("decode", G, self.lengths("decode", G)[0])
+        rows_h = h[:, :S].reshape(B * S, 1, *h.shape[2:])
+        rows_mix = mix[:, :S].reshape(B * S, 1, mix.size(2))
+        out = []
+        for i in range(0, B * S, G):
+            n = min(G, B * S - i)
+            pad = [0] * (G - n)  # a last group's spare rows repeat its first position; their logits are dropped
+            take = torch.tensor([*range(i, i + n), *(i + p for p in pad)])
+            got = wide.run_stage("head", {"h": rows_h[take].contiguous(), "pre_mix": rows_mix[take].contiguous(),
+                                          "last": torch.zeros(G, dtype=torch.int64)})[0]
+            out.append(got[:n])
+        return torch.cat(out).view(B, S, -1)
 
     def _hash(self, tokens: torch.Tensor, history: torch.Tensor | None, valid: torch.Tensor | None = None
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
