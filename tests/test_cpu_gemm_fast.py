@@ -168,24 +168,35 @@ def test_amx_can_be_turned_off():
 
 
 @pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("m", [1, 3, 7, 29])
-def test_table_expansion_equals_the_arithmetic_one(m):
+def test_table_expansion_equals_the_arithmetic_one(fmt, m):
     """The avx512vbmi variant expands FP8 by byte tables, avx512bf16 by arithmetic: the same bits on
-    every code (NaN included), on the decode path (M <= 4) and the expanded panel (M > 4), plain
-    and grouped; and DSNEURON_FAST_NO_VBMI=1 selects the arithmetic one."""
+    every code (NaN included), on the decode path (M <= 4) and the expanded panel (M > 4), plain and
+    grouped; FP4, expanded alike by both, checks the variants otherwise agree."""
     F.build("avx512bf16", namespace="dsneuron_fast_arith")
     arith = torch.ops.dsneuron_fast_arith
     gen = torch.Generator().manual_seed(m)
-    codes = torch.randint(0, 256, (3, 48, 256), generator=gen, dtype=torch.uint8)
-    codes[0, :8].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every code, 0x7F and 0xFF too
-    scale = torch.randint(100, 150, (3, 2, 8), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    kw = 256 if fmt == "fp8" else 128
+    codes = torch.randint(0, 256, (3, 48, kw), generator=gen, dtype=torch.uint8)
+    codes[0, :8].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte: FP8 0x7F, 0xFF; all nibble pairs
+    shape = (3, 2, 8) if fmt == "fp8" else (3, 48, 8)
+    scale = torch.randint(100, 150, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    weight = codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes.view(torch.int8)
+    code = G.FORMATS.index(fmt)
     a = activations(m, 256, gen)
-    prep = G.prepare_weight("fp8", codes[0].view(torch.float8_e4m3fn), scale[0])
-    assert_bits(OPS.gemm_fast(a, prep["w"], prep["w_scale"], 0, 48), arith.gemm_fast(a, prep["w"], prep["w_scale"], 0, 48))
-    stacked = G.prepare_weight("fp8", codes.view(torch.float8_e4m3fn), scale)
+    prep = G.prepare_weight(fmt, weight[0], scale[0])
+    assert_bits(OPS.gemm_fast(a, prep["w"], prep["w_scale"], code, 48),
+                arith.gemm_fast(a, prep["w"], prep["w_scale"], code, 48))
+    stacked = G.prepare_weight(fmt, weight, scale)
     offsets = torch.tensor([0, m // 2, m // 2, m])
-    args = (a, offsets, stacked["w"], stacked["w_scale"], 0, 48)
+    args = (a, offsets, stacked["w"], stacked["w_scale"], code, 48)
     assert_bits(OPS.gemm_fast_segments(*args), arith.gemm_fast_segments(*args))
+
+
+@pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")
+def test_vbmi_can_be_turned_off():
+    """DSNEURON_FAST_NO_VBMI=1 (the benchmarks' A/B switch) builds the arithmetic-expansion variant."""
     code = "from dsneuron.kernels_nki import cpu_gemm_fast as F; print(F.VARIANT)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DSNEURON_FAST_NO_VBMI": "1"},
                          capture_output=True, text=True, timeout=300, check=True)
