@@ -33,7 +33,8 @@ last table puts the modes side by side: compile, prefill GFLOP/s against torch.m
 shapes and the FMA peak, decode tok/s against the weight-read roofline, rows/s per batch bucket. On a
 host whose fast kernels run on AMX, the fast bundles are measured once more with
 DSNEURON_FAST_NO_AMX=1 (their VDPBF16PS layer: the kernels are the runtime's, so the same bundles)
-as the column "fast, no AMX".
+as the column "fast, no AMX"; on one whose VDPBF16PS layer expands FP8 by VBMI byte tables, with
+DSNEURON_FAST_NO_VBMI=1 (the arithmetic expansion) as "fast, no VBMI".
 Ratios are eager / compiled for times (higher is better) and bundle / checkpoint for sizes. Both
 run children use torch's default thread count, printed with the figures. Absolute times on a
 shared machine are noisy; the ratios, measured side by side in one run, are the figures to quote.
@@ -59,11 +60,18 @@ from rich.console import Console
 from rich.table import Table
 
 
-def host_has_amx() -> bool:
-    """True when the fast kernels run on AMX here (kernels_nki/cpu_gemm_fast.py picks its layer)."""
+#: the fast kernels' layers that an environment switch turns off (kernels_nki/cpu_gemm_fast.py
+#: host_variant): variant -> (the column of the bundles measured without it, the switch)
+FAST_SWITCHES = {"amx": ("fast, no AMX", {"DSNEURON_FAST_NO_AMX": "1"}),
+                 "avx512vbmi": ("fast, no VBMI", {"DSNEURON_FAST_NO_VBMI": "1"})}
+
+
+def fast_switch() -> tuple[str, dict[str, str]] | None:
+    """(column, environment) that measures the fast bundles without this host's fast layer (AMX
+    tiles, or the VBMI table expansion), None where the fast kernels have no such layer here."""
     from dsneuron.kernels_nki import cpu_gemm_fast
 
-    return cpu_gemm_fast.VARIANT == "amx"
+    return FAST_SWITCHES.get(cpu_gemm_fast.VARIANT)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -378,15 +386,16 @@ def run(config: str, work: Path, repeats: int, n_decode: int, console: Console,
         console.print(f"measuring the bundle ({mode} numerics) ...")
         modes[mode] = {"compile_cold_s": cold_m["seconds"], "compiled": _child("bundle", {**args, "bundle": str(work / f"bundle-{mode}")}),
                        "decode_step_s": batch_steps(mode, cold_m["cache"], f"bundle-batches-{mode}")}
-        if mode == "fast" and host_has_amx():
-            # the kernels are the runtime's: the same bundles, measured again on the VDPBF16PS layer
-            console.print("measuring the fast bundles without AMX (DSNEURON_FAST_NO_AMX=1) ...")
-            no_amx = {"DSNEURON_FAST_NO_AMX": "1"}
+        switch = fast_switch() if mode == "fast" else None
+        if switch:
+            # the kernels are the runtime's: the same bundles, measured again without the layer
+            column, env = switch
+            console.print(f"measuring the fast bundles as {column!r} ({', '.join(f'{k}={v}' for k, v in env.items())}) ...")
             batches_b = work / "bundle-batches-fast"
-            modes["fast, no AMX"] = {
+            modes[column] = {
                 "compile_cold_s": cold_m["seconds"],
-                "compiled": _child("bundle", {**args, "bundle": str(work / "bundle-fast")}, no_amx),
-                "decode_step_s": _child("batches", {"bundle": str(batches_b), "repeats": max(repeats, 5)}, no_amx)[
+                "compiled": _child("bundle", {**args, "bundle": str(work / "bundle-fast")}, env),
+                "decode_step_s": _child("batches", {"bundle": str(batches_b), "repeats": max(repeats, 5)}, env)[
                     "decode_step_s"] if batch_sizes else {}}
     long = len(prompts[-1])
     flops = sum(count_flops(model_cfg, Parallel(1, 1), compile_cfg.max_seq_len,
