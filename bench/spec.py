@@ -6,7 +6,8 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
 
 - decode: one decode step (the decode bucket), the median of --repeats;
 - verify: one verify of 1 + k tokens (the chunk bucket, padded to its length, read at every
-  position: the head re-run per position and the target layers' streams) and the chunk call alone
+  position: the head through the widest decode bucket's head stage and the target layers' streams)
+  and the chunk call alone
   (= a replay of the kept tokens after a rejection);
 - drafter: one DSpark draft of a block from the checkpoint's mtp.* weights, EAGER in the golden's
   exact numerics (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), when

@@ -412,7 +412,7 @@ class Runner:
         (int64 [B, S], count int64 [B] in 1..S) at positions pos[b].. on its row of `state`, as one
         call of the chunk bucket of batch B at the smallest capacity holding every row (a chunk:
         bit-identical to that many decode steps). Returns a speculative.Verified with the logits
-        fp32 [B, S, V] at every position (the head stage re-run at each) and main_hidden bf16
+        fp32 [B, S, V] at every position (`_position_logits`) and main_hidden bf16
         [B, S, T*D] (the stream entering each target layer's attention, averaged over its hc
         copies); taps=False skips both (a replay). Raises BundleError when the chunk bucket is not
         staged (the cpu target's), ValueError without a chunk bucket of batch B, UserError past the
