@@ -340,11 +340,53 @@ def test_loop_sampling_on_a_toy_target_keeps_the_target_distribution(one_thread)
     assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
 
 
+class _HeadStage:
+    """A staged executable's head stage alone, row-local as the real one: logits[b] = h[b, last[b],
+    0, :] + pre_mix[b, last[b], 0], at the one batch its bucket was compiled for; counts its calls."""
+
+    def __init__(self, batch: int):
+        self.batch, self.calls = batch, 0
+
+    def run_stage(self, name: str, v: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        assert name == "head" and v["h"].size(0) == self.batch == v["last"].numel()
+        self.calls += 1
+        rows = torch.arange(self.batch)
+        return [v["h"][rows, v["last"], 0].float() + v["pre_mix"][rows, v["last"], :1]]
+
+
+@pytest.mark.parametrize("decode_batches", [(1, 4), (1,)])
+def test_position_logits_through_the_widest_decode_head_equal_the_calls_own_head(decode_batches):
+    """Runner._position_logits: the B * S positions of a verify go through the head of the widest
+    decode bucket, G rows a call, the last group padded: every (row, position) gets the logits the
+    chunk's own head gives it there, in order; without a decode batch of 2 or more, one call of the
+    chunk's head per position."""
+    from types import SimpleNamespace
+
+    from dsneuron.runtime_min.core.runner import Runner
+
+    B, S, Sp = 2, 6, 16
+    gen = torch.Generator().manual_seed(0)
+    head = {"h": torch.randn(B, Sp, 2, 8, generator=gen).bfloat16(), "pre_mix": torch.randn(B, Sp, 2, generator=gen)}
+    own = _HeadStage(B)
+    want = torch.stack([own.run_stage("head", {**head, "last": torch.full((B,), j)})[0] for j in range(S)], dim=1)
+    runner = object.__new__(Runner)
+    runner.decode_batches = list(decode_batches)
+    runner._buckets = {("decode", g, 64): SimpleNamespace(stages=("head",)) for g in decode_batches}
+    wide = {g: _HeadStage(g) for g in decode_batches}
+    runner.executable = lambda kind, g, length: wide[g]
+    own.calls = 0
+    got = runner._position_logits(own, head, S)
+    assert torch.equal(got, want)
+    G = max(decode_batches)
+    assert (wide[G].calls, own.calls) == ((-(-B * S // G), 0) if G > 1 else (0, S))
+
+
 # ----------------------------------------------------------------------------------------- the cpu target (slow)
 @pytest.fixture(scope="module")
 def spec_runner(tmp_path_factory, micro_checkpoint):
     """micro compiled for the cpu target at batch 1, one prefill bucket of 16 tokens and a context
-    capacity of 1024 (prefill, decode and chunk buckets; ~6-10 minutes on 2 cores)."""
+    capacity of 1024 (prefill, decode and chunk buckets; ~6-10 minutes on 2 cores), plus a decode
+    bucket of batch 4, whose head stage the verify reads its positions through."""
     import dataclasses
 
     from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
@@ -353,7 +395,7 @@ def spec_runner(tmp_path_factory, micro_checkpoint):
 
     model_cfg, compile_cfg, _ = load_config("micro")
     compile_cfg = dataclasses.replace(compile_cfg, max_seq_len=1024, batch_sizes=(1,), prefill_seq_lens=(16,),
-                                      decode_context_lens=(1024,), checkpoint=str(micro_checkpoint))
+                                      decode_context_lens=(1024,), decode_batch_sizes=(4,), checkpoint=str(micro_checkpoint))
     root = tmp_path_factory.mktemp("micro_spec")
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
     return Runner.load(compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache"))
