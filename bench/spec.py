@@ -20,13 +20,15 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
   drives the whole loop for --tokens tokens: measured tokens/s against plain greedy decoding of
   the same tokens (acceptance k + 1 a step: the mechanics' ceiling, not a real drafter's speed).
 
-Wall times on a shared machine are noisy: the ratios of one run are the figures to quote.
+Wall times on a shared machine are noisy: the ratios of one run are the figures to quote. Bad
+arguments, a bundle that cannot be loaded or a checkpoint without the drafter: one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -61,16 +63,19 @@ class _Oracle:
 def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats: int) -> dict:
     import torch
 
+    from dsneuron import UserError
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import load_drafter
     from dsneuron.runtime_min.core import speculative as sp
+    from dsneuron.runtime_min.core.checks import check_context
     from dsneuron.runtime_min.core.runner import Runner
 
     r = Runner.load(bundle)
     cfg_dict = r.manifest.model_config
     block = int(cfg_dict["dspark_block_size"])
     if not 1 <= k <= block:
-        raise SystemExit(f"--k must be in 1..{block} (the model's dspark_block_size)")
+        raise UserError(f"--k must be in 1..{block} (the model's dspark_block_size), got {k}")
+    check_context(12, tokens, r.max_capacity, "--tokens", reserve=k)  # the 12-token prompt, the oracle's last verify
     target = sp.RunnerTarget(r)
     prompt = torch.randint(3, min(r.vocab_size, 128000), (12,), generator=torch.Generator().manual_seed(0)).tolist()
     pre = r.prefill([prompt])
@@ -92,10 +97,11 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
         v = r.verify_prefill([prompt], target.target_layers)
         cache = drafter.seed(drafter.start(1), v.main_hidden, torch.tensor([0]), v.count)
         out["drafter_eager_s"] = _median(lambda: drafter.propose(cache, tok, torch.tensor([p - 1]), k, 0.0, None), repeats)
-    draft = out.get("drafter_eager_s", 0.0)
     step = out["verify_s"] + out["chunk_call_s"]
-    out["projected_speedup"] = {
-        str(a): {"drafter_eager": a * out["decode_s"] / (step + draft), "drafter_free": a * out["decode_s"] / step}
+    out["projected_speedup"] = {  # drafter_eager only where the drafter was measured (--checkpoint)
+        str(a): {"drafter_free": a * out["decode_s"] / step,
+                 **({"drafter_eager": a * out["decode_s"] / (step + out["drafter_eager_s"])}
+                    if "drafter_eager_s" in out else {})}
         for a in (2.5, 3.0)}
     # the oracle (TEST-ONLY): plain greedy first, then the loop proposing those tokens
     t0 = time.perf_counter()
@@ -127,7 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
-    out = measure(a.bundle, a.checkpoint, a.k, a.tokens, a.repeats)
+    if a.tokens < 1 or a.repeats < 1:
+        ap.error(f"--tokens and --repeats must be >= 1, got {a.tokens} and {a.repeats}")
+    if a.checkpoint is not None and not a.checkpoint.is_dir():
+        ap.error(f"--checkpoint {a.checkpoint}: no such folder")
+    from dsneuron import UserError
+
+    try:
+        out = measure(a.bundle, a.checkpoint, a.k, a.tokens, a.repeats)
+    except UserError as e:  # a missing or unusable bundle or checkpoint, a bad --k / --tokens: one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     text = json.dumps(out, indent=1)
     print(text)
     if a.json:

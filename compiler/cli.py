@@ -275,6 +275,8 @@ def run_cmd(
         raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
     if speculative_tokens and (draft_checkpoint is None or prompt is None):
         raise UserError("--speculative-tokens needs --draft-checkpoint CKPT (the drafter's weights) and one --prompt")
+    if draft_checkpoint is not None and not speculative_tokens:
+        raise UserError("--draft-checkpoint is used only with --speculative-tokens K (K >= 1 drafts a verify)")
     if speculative_tokens:
         _run_speculative(bundle, verify_key, prompt, max_new_tokens, temperature, top_p, seed, stats,
                          speculative_tokens, draft_checkpoint)

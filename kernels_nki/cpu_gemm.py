@@ -81,6 +81,45 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-DTORCH_TARGET_VERSION=0x020a000000000000
 ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "generic": []}
 
 
+#: the /proc/cpuinfo flags a variant's code needs
+ISA_NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "generic": set()}
+
+#: (family, namespace) -> the variant whose library registered that family's ops there, this process
+_LOADED: dict[tuple[str, str], str] = {}
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (the first "flags" line of /proc/cpuinfo), empty where there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def check_build(family: str, variant: str, namespace: str, needs: dict[str, set[str]]) -> None:
+    """The checks before `family`'s build of `variant` under torch.ops.<namespace>, each a ValueError
+    naming the problem: an unknown variant; a namespace that is no identifier; one that already
+    holds this family's ops from another variant in this process (registering them twice aborts
+    the process); a variant whose instructions the CPU lacks (its first call would die of SIGILL).
+    The flags are checked where /proc/cpuinfo lists them (Linux)."""
+    if variant not in needs:
+        raise ValueError(f"{family}.build: variant must be one of {tuple(needs)}, got {variant!r}")
+    if not namespace.isidentifier():
+        raise ValueError(f"{family}.build: namespace must be a Python identifier (torch.ops.<namespace>), got {namespace!r}")
+    have = _LOADED.get((family, namespace))
+    if have is not None and have != variant:
+        raise ValueError(f"{family}.build: torch.ops.{namespace} already holds the {have!r} variant's ops in this "
+                         f"process; load {variant!r} under another namespace")
+    flags = cpu_flags()
+    missing = sorted(needs[variant] - flags) if flags else []
+    if missing:
+        raise ValueError(f"{family}.build: this CPU cannot run variant {variant!r}: /proc/cpuinfo lacks {', '.join(missing)}")
+
+
 def host_variant() -> str:
     """"avx2" on x86-64 hosts whose CPU torch runs at AVX2 or AVX512 capability (these have FMA and
     F16C too), else "generic" (also when ATEN_CPU_CAPABILITY=default lowers torch's capability)."""
@@ -92,9 +131,9 @@ def build(variant: str, namespace: str = "dsneuron", verbose: bool = False) -> s
     """Compile (or reuse from the cache) cpu/gemm.cpp as `variant`, registering its ops under
     torch.ops.<namespace>; returns the loaded library's path. A second namespace lets tests load
     another variant beside the one this module registers. Raises RuntimeError naming the compiler
-    when it is missing or the build fails, ValueError for an unknown variant."""
-    if variant not in ISA_FLAGS:
-        raise ValueError(f"cpu_gemm.build: variant must be one of {tuple(ISA_FLAGS)}, got {variant!r}")
+    when it is missing or the build fails, ValueError as `check_build` (an unknown variant, a bad or
+    taken namespace, a variant this CPU cannot run)."""
+    check_build("cpu_gemm", variant, namespace, ISA_NEEDS)
     cxx = os.environ.get("CXX", "c++")  # the compiler torch.utils.cpp_extension invokes
     if shutil.which(cxx) is None:
         raise RuntimeError(f"dsneuron cpu GEMM kernels: C++ compiler {cxx!r} ($CXX, default c++) not found on PATH; "
@@ -105,12 +144,14 @@ def build(variant: str, namespace: str = "dsneuron", verbose: bool = False) -> s
     folder = cache / "dsneuron" / "cpu_gemm" / f"{namespace}-{variant}-torch{torch.__version__}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
+        path = cpp_extension.load(
             name=f"{namespace}_cpu_gemm_{variant}", sources=[str(s) for s in _SOURCES], build_directory=str(folder),
             extra_cflags=[*CFLAGS, f"-DDSN_NS={namespace}", *ISA_FLAGS[variant]],
             is_python_module=False, verbose=verbose)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"dsneuron cpu GEMM kernels: building {variant} with {cxx!r} in {folder} failed: {e}") from e
+    _LOADED[("cpu_gemm", namespace)] = variant
+    return path
 
 
 VARIANT = host_variant()

@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 
 from dsneuron.kernels_nki import cpu_gemm
-from dsneuron.kernels_nki.cpu_gemm import BLOCK, FORMATS, check_args, dequant_weight, register_gemm_fakes
+from dsneuron.kernels_nki.cpu_gemm import (BLOCK, FORMATS, check_args, check_build, cpu_flags, dequant_weight,
+                                             register_gemm_fakes)
 
 _SOURCE = Path(__file__).parent / "cpu" / "gemm_fast.cpp"
 #: the fast kernel's formats, by code (the first three of cpu_gemm.FORMATS)
@@ -54,22 +55,14 @@ FAST_FORMATS = FORMATS[:3]
 _AVX512BF16 = [*cpu_gemm.ISA_FLAGS["avx2"], "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 ISA_FLAGS = {"amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16"], "avx512vbmi": [*_AVX512BF16, "-mavx512vbmi"],
              "avx512bf16": _AVX512BF16, **cpu_gemm.ISA_FLAGS}
+_NEEDS_BF16 = {*cpu_gemm.ISA_NEEDS["avx2"], "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+#: the /proc/cpuinfo flags a variant's code needs
+ISA_NEEDS = {"amx": {*_NEEDS_BF16, "amx_tile", "amx_bf16"}, "avx512vbmi": {*_NEEDS_BF16, "avx512vbmi"},
+             "avx512bf16": _NEEDS_BF16, **cpu_gemm.ISA_NEEDS}
 
 # Linux: a process must ask for the AMX tile state before its first AMX instruction (else SIGILL):
 # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), kernel Documentation/arch/x86/xstate.rst
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (the first "flags" line of /proc/cpuinfo), empty where there is none."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
 
 
 def request_amx() -> bool:
@@ -101,9 +94,13 @@ def host_variant() -> str:
 def build(variant: str, namespace: str = "dsneuron", verbose: bool = False) -> str:
     """Compile (or reuse from the cache) cpu/gemm_fast.cpp as `variant`, registering its ops under
     torch.ops.<namespace>; returns the loaded library's path. Raises RuntimeError naming the
-    compiler when it is missing or the build fails, ValueError for an unknown variant."""
-    if variant not in ISA_FLAGS:
-        raise ValueError(f"cpu_gemm_fast.build: variant must be one of {tuple(ISA_FLAGS)}, got {variant!r}")
+    compiler when it is missing or the build fails, ValueError as cpu_gemm.check_build (an unknown
+    variant, a bad or taken namespace, a variant this CPU cannot run) and for "amx" where Linux
+    refuses the process the AMX tile state."""
+    check_build("cpu_gemm_fast", variant, namespace, ISA_NEEDS)
+    if variant == "amx" and not request_amx():
+        raise ValueError("cpu_gemm_fast.build: Linux refused this process the AMX tile state (arch_prctl "
+                         "ARCH_REQ_XCOMP_PERM), so variant 'amx' cannot run here")
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"dsneuron fast GEMM kernels: C++ compiler {cxx!r} ($CXX, default c++) not found on PATH")
@@ -113,12 +110,14 @@ def build(variant: str, namespace: str = "dsneuron", verbose: bool = False) -> s
     folder = cache / "dsneuron" / "cpu_gemm" / f"{namespace}-fast-{variant}-torch{torch.__version__}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
+        path = cpp_extension.load(
             name=f"{namespace}_cpu_gemm_fast_{variant}", sources=[str(_SOURCE)], build_directory=str(folder),
             extra_cflags=[*cpu_gemm.CFLAGS, f"-DDSN_NS={namespace}", *ISA_FLAGS[variant]],
             is_python_module=False, verbose=verbose)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"dsneuron fast GEMM kernels: building {variant} with {cxx!r} in {folder} failed: {e}") from e
+    cpu_gemm._LOADED[("cpu_gemm_fast", namespace)] = variant
+    return path
 
 
 VARIANT = host_variant()

@@ -195,7 +195,7 @@ class Session:
         check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt)
         self.runner.check_prompt_length(len(ids))
-        check_context(len(ids), max_new_tokens + k, self.max_capacity)
+        check_context(len(ids), max_new_tokens, self.max_capacity, reserve=k)
         gen = None
         if temperature > 0:
             gen = torch.Generator()

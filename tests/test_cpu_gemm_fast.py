@@ -158,22 +158,50 @@ def test_bad_arguments(fake):
         F.gemm(a, prep, "fp32", 16)
 
 
+def test_build_refuses_what_would_crash_the_process(monkeypatch):
+    """build() raises ValueError, before any compiler runs, where loading would abort the process
+    (this family's ops registered twice under one namespace), fail to compile or load (a namespace
+    that is no identifier), or die of SIGILL at the first call (a variant the CPU lacks)."""
+    other = next(v for v in F.ISA_NEEDS if v != F.VARIANT)
+    with pytest.raises(ValueError, match=rf"torch.ops.dsneuron already holds the '{F.VARIANT}' variant's ops"):
+        F.build(other, namespace="dsneuron")
+    for bad in ("my-check", "", "1ns"):
+        with pytest.raises(ValueError, match="namespace must be a Python identifier"):
+            F.build(F.VARIANT, namespace=bad)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        F.build("avx1024", namespace="dsneuron_fast_unknown")
+    monkeypatch.setattr(G, "cpu_flags", lambda: {"fpu", "avx2", "fma", "f16c"})
+    for variant in ("avx512vbmi", "avx512bf16", "amx"):
+        with pytest.raises(ValueError, match=rf"this CPU cannot run variant '{variant}': /proc/cpuinfo lacks .*avx512"):
+            F.build(variant, namespace="dsneuron_fast_nocpu")
+    with pytest.raises(ValueError, match="cpu_gemm.build: this CPU cannot run variant 'avx2': /proc/cpuinfo lacks f16c"):
+        monkeypatch.setattr(G, "cpu_flags", lambda: {"fpu", "avx2", "fma"})
+        G.build("avx2", namespace="dsneuron_exact_nocpu")
+
+
 @pytest.mark.skipif(F.VARIANT != "amx", reason="the host has no AMX-BF16 (or Linux refused its tile state)")
 def test_amx_can_be_turned_off():
     """DSNEURON_FAST_NO_AMX=1 (the benchmarks' A/B switch) builds the VDPBF16PS variant instead."""
     code = "from dsneuron.kernels_nki import cpu_gemm_fast as F; print(F.VARIANT)"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DSNEURON_FAST_NO_AMX": "1"},
                          capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split()[-1] == ("avx512vbmi" if "avx512vbmi" in F.cpu_flags() else "avx512bf16")
+    vbmi = "avx512vbmi" in F.cpu_flags() and os.environ.get("DSNEURON_FAST_NO_VBMI") != "1"
+    assert out.stdout.split()[-1] == ("avx512vbmi" if vbmi else "avx512bf16")
 
 
-@pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")
+VBMI_HOST = F.ISA_NEEDS["avx512vbmi"] <= F.cpu_flags() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.mark.skipif(not VBMI_HOST, reason="the host has no AVX512-VBMI and AVX512-BF16")
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("m", [1, 3, 7, 29])
 def test_table_expansion_equals_the_arithmetic_one(fmt, m):
     """The avx512vbmi variant expands FP8 by byte tables, avx512bf16 by arithmetic: the same bits on
     every code (NaN included), on the decode path (M <= 4) and the expanded panel (M > 4), plain and
     grouped; FP4, expanded alike by both, checks the variants otherwise agree."""
+    if F.VARIANT != "avx512vbmi":  # an AMX host, or the switch set: the table variant beside it
+        F.build("avx512vbmi", namespace="dsneuron_fast_tables")
+    tables = OPS if F.VARIANT == "avx512vbmi" else torch.ops.dsneuron_fast_tables
     F.build("avx512bf16", namespace="dsneuron_fast_arith")
     arith = torch.ops.dsneuron_fast_arith
     gen = torch.Generator().manual_seed(m)
@@ -186,12 +214,12 @@ def test_table_expansion_equals_the_arithmetic_one(fmt, m):
     code = G.FORMATS.index(fmt)
     a = activations(m, 256, gen)
     prep = G.prepare_weight(fmt, weight[0], scale[0])
-    assert_bits(OPS.gemm_fast(a, prep["w"], prep["w_scale"], code, 48),
+    assert_bits(tables.gemm_fast(a, prep["w"], prep["w_scale"], code, 48),
                 arith.gemm_fast(a, prep["w"], prep["w_scale"], code, 48))
     stacked = G.prepare_weight(fmt, weight, scale)
     offsets = torch.tensor([0, m // 2, m // 2, m])
     args = (a, offsets, stacked["w"], stacked["w_scale"], code, 48)
-    assert_bits(OPS.gemm_fast_segments(*args), arith.gemm_fast_segments(*args))
+    assert_bits(tables.gemm_fast_segments(*args), arith.gemm_fast_segments(*args))
 
 
 @pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")

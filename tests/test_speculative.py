@@ -381,6 +381,25 @@ def test_position_logits_through_the_widest_decode_head_equal_the_calls_own_head
     assert (wide[G].calls, own.calls) == ((-(-B * S // G), 0) if G > 1 else (0, S))
 
 
+@pytest.mark.parametrize("tokens, pos, count, layers, msg", [
+    (torch.zeros(6, dtype=torch.int64), [0], [1], [1], r"tokens must be \[B, S\]"),
+    (torch.zeros(1, 0, dtype=torch.int64), [0], [1], [1], r"tokens must be \[B, S\] with B, S >= 1"),
+    (torch.zeros(1, 2, dtype=torch.int64), [0, 0], [1], [1], r"pos and count must be \[B\] = \[1\]"),
+    (torch.zeros(1, 2, dtype=torch.int64), [-1], [1], [1], r"pos must be >= 0"),
+    (torch.zeros(1, 2, dtype=torch.int64), [3], [0], [1], r"count must lie in 1..S = 1..2, got \[0\]"),
+    (torch.zeros(1, 2, dtype=torch.int64), [3], [5], [1], r"count must lie in 1..S = 1..2, got \[5\]"),
+    (torch.zeros(1, 2, dtype=torch.int64), [3], [2], [], r"target_layers must name at least one layer"),
+])
+def test_verify_refuses_arguments_outside_its_contract(tokens, pos, count, layers, msg):
+    """Runner.verify checks its arguments before any executable runs (a count of 0 used to reach
+    the compiled chunk and fail there with an index error)."""
+    from dsneuron.runtime_min.core.runner import Runner
+
+    runner = object.__new__(Runner)
+    with pytest.raises(ValueError, match=msg):
+        runner.verify(tokens, torch.tensor(pos), torch.tensor(count), None, layers)
+
+
 # ----------------------------------------------------------------------------------------- the cpu target (slow)
 @pytest.fixture(scope="module")
 def spec_runner(tmp_path_factory, micro_checkpoint):
@@ -462,7 +481,7 @@ def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state
 
 def test_run_refuses_bad_speculation_flags_before_loading(monkeypatch, capsys, tmp_path):
     """`run --speculative-tokens`: negative, or without --draft-checkpoint / with --prompts-file,
-    exits 2 naming the problem (before any bundle is read)."""
+    and --draft-checkpoint without it, exit 2 naming the problem (before any bundle is read)."""
     from stand_in import run_cli
 
     assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "-1") == 2
@@ -474,6 +493,8 @@ def test_run_refuses_bad_speculation_flags_before_loading(monkeypatch, capsys, t
     assert run_cli(monkeypatch, "run", str(tmp_path), "--prompts-file", str(prompts), "--speculative-tokens", "2",
                    "--draft-checkpoint", str(tmp_path)) == 2
     assert "one --prompt" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--draft-checkpoint", str(tmp_path)) == 2
+    assert "--draft-checkpoint is used only with --speculative-tokens" in capsys.readouterr().err
 
 
 @pytest.mark.slow
