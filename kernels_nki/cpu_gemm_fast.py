@@ -83,10 +83,10 @@ def host_variant() -> str:
     cpu_gemm.host_variant()."""
     flags = cpu_flags()
     if cpu_gemm.host_variant() == "avx2" and torch.backends.cpu.get_cpu_capability() == "AVX512" and \
-            {"avx512_bf16", "avx512bw", "avx512vl"} <= flags:
-        if {"amx_bf16", "amx_tile"} <= flags and os.environ.get("DSNEURON_FAST_NO_AMX") != "1" and request_amx():
+            ISA_NEEDS["avx512bf16"] <= flags:
+        if ISA_NEEDS["amx"] <= flags and os.environ.get("DSNEURON_FAST_NO_AMX") != "1" and request_amx():
             return "amx"
-        vbmi = "avx512vbmi" in flags and os.environ.get("DSNEURON_FAST_NO_VBMI") != "1"
+        vbmi = ISA_NEEDS["avx512vbmi"] <= flags and os.environ.get("DSNEURON_FAST_NO_VBMI") != "1"
         return "avx512vbmi" if vbmi else "avx512bf16"
     return cpu_gemm.host_variant()
 

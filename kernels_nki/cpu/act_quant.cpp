@@ -352,7 +352,7 @@ inline __m128i bf16_bits8(__m256 x) {
 // elements i0 .. i0 + n - 1 of a row (n a multiple of 8, e4m3, or 16, e2m1), all of one block with
 // scale s: the scalar loop's v * s and bf16_bits, 8 lanes at a time (the same table values)
 inline void dequant_run_avx2(const uint8_t* codes, int64_t i0, int64_t n, float s, bool fp8, const float* e4m3_lut,
-                             const float* e2m1_lut, uint16_t* o) {
+                             uint16_t* o) {
   const __m256 vs = _mm256_set1_ps(s);
   auto store = [&](int64_t i, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), bf16_bits8(v)); };
   if (fp8) {
@@ -365,8 +365,8 @@ inline void dequant_run_avx2(const uint8_t* codes, int64_t i0, int64_t n, float 
   const __m256i nib = _mm256_set1_epi32(0xF);
   for (int64_t i = i0; i < i0 + n; i += 16) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
-    const __m256 lo = _mm256_mul_ps(_mm256_i32gather_ps(e2m1_lut, _mm256_and_si256(b, nib), 4), vs);
-    const __m256 hi = _mm256_mul_ps(_mm256_i32gather_ps(e2m1_lut, _mm256_srli_epi32(b, 4), 4), vs);
+    const __m256 lo = _mm256_mul_ps(_mm256_i32gather_ps(kE2m1Values, _mm256_and_si256(b, nib), 4), vs);
+    const __m256 hi = _mm256_mul_ps(_mm256_i32gather_ps(kE2m1Values, _mm256_srli_epi32(b, 4), 4), vs);
     // element 2j is byte j's low nibble, 2j + 1 its high one
     const __m256 a = _mm256_unpacklo_ps(lo, hi), c = _mm256_unpackhi_ps(lo, hi);
     store(i, _mm256_permute2f128_ps(a, c, 0x20));
@@ -392,8 +392,6 @@ Tensor state_dequant(Tensor b_in, int64_t K, int64_t block, int64_t fmt) {
   const int64_t rows = b.numel() / row;
   float e4m3_lut[256];
   for (int i = 0; i < 256; ++i) e4m3_lut[i] = e4m3_value(uint8_t(i));
-  static const float e2m1_lut[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   const uint8_t* in = static_cast<const uint8_t*>(b.const_data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.mutable_data_ptr());
   torch::stable::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -402,16 +400,15 @@ Tensor state_dequant(Tensor b_in, int64_t K, int64_t block, int64_t fmt) {
       const uint8_t* scales = codes + f.code_bytes(K);
       for (int64_t j = 0; j < K / block; ++j) {
         const uint8_t sb = scales[j];
-        // UE8M0: 2^(byte - 127); byte 0 is 2^-127 (an fp32 subnormal), 255 NaN
-        const float s = f.ue8m0 ? (sb == 255 ? NAN : sb == 0 ? 0x1p-127f : from_bits(uint32_t(sb) << 23)) : e4m3_lut[sb];
+        const float s = f.ue8m0 ? ue8m0_value(sb) : e4m3_lut[sb];
 #ifdef __AVX2__
         if (block % (f.fp8 ? 8 : 16) == 0) {
-          dequant_run_avx2(codes, j * block, block, s, f.fp8, e4m3_lut, e2m1_lut, o + r * K);
+          dequant_run_avx2(codes, j * block, block, s, f.fp8, e4m3_lut, o + r * K);
           continue;
         }
 #endif
         for (int64_t i = j * block; i < (j + 1) * block; ++i) {
-          const float v = f.fp8 ? e4m3_lut[codes[i]] : e2m1_lut[(codes[i / 2] >> ((i & 1) * 4)) & 0xF];
+          const float v = f.fp8 ? e4m3_lut[codes[i]] : kE2m1Values[(codes[i / 2] >> ((i & 1) * 4)) & 0xF];
           o[r * K + i] = bf16_bits(v * s);
         }
       }

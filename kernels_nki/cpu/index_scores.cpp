@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "aten_call.h"
 #include "bits.h"
 #include "check.h"
 
@@ -45,7 +46,6 @@ namespace {
 
 using torch::stable::Tensor;
 using torch::stable::detail::from;
-using torch::stable::detail::to;
 using ST = torch::headeronly::ScalarType;
 
 constexpr int64_t kBlock = 32;  // UE8M0 scale block of the index keys (graphs/quant.py INDEX_K_FORMAT)
@@ -55,14 +55,10 @@ constexpr int64_t kTile = 16;   // keys decoded together; the SIMD lanes of the 
 // fp32, which are state_dequant's bf16 values exactly (at most 3 significant bits, and fp32 keeps
 // e2m1 x 2^-127; 6 x 2^127 is inf in both), then widened to float64
 inline void decode_key(const uint8_t* row, int64_t D, double* kt, int64_t j) {
-  static const float e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   for (int64_t blk = 0; blk < D / kBlock; ++blk) {
-    const uint8_t sb = row[D / 2 + blk];
-    // UE8M0: 2^(byte - 127); byte 0 is 2^-127 (an fp32 subnormal), 255 NaN
-    const float s = sb == 255 ? NAN : sb == 0 ? 0x1p-127f : from_bits(uint32_t(sb) << 23);
+    const float s = ue8m0_value(row[D / 2 + blk]);
     double v[16];
-    for (int c = 0; c < 16; ++c) v[c] = double(e2m1[c] * s);
+    for (int c = 0; c < 16; ++c) v[c] = double(kE2m1Values[c] * s);
     const uint8_t* codes = row + blk * kBlock / 2;
     double* out = kt + blk * kBlock * kTile + j;
     for (int64_t i = 0; i < kBlock / 2; ++i) {
@@ -78,11 +74,6 @@ std::string shape_of(const Tensor& t) {
   for (int64_t i = 0; i < t.dim(); ++i) o << (i ? ", " : "") << t.size(i);
   o << "]";
   return o.str();
-}
-
-Tensor call(const char* op, const char* overload, StableIValue* stack) {
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(op, overload, stack, TORCH_ABI_VERSION));
-  return to<Tensor>(stack[0]);
 }
 
 Tensor index_scores(Tensor q_in, Tensor k_in, Tensor w_in) {
@@ -128,16 +119,16 @@ Tensor index_scores(Tensor q_in, Tensor k_in, Tensor w_in) {
   });
   // (relu(score) * w[..., None]).sum(dim=2), ATen's ops as the golden runs them
   std::array<StableIValue, 4> st{from(score)};
-  const Tensor relu = call("aten::relu", "", st.data());
+  const Tensor relu = aten_call("aten::relu", "", st.data());
   const int64_t last = -1;
   st = {from(w_in), from(last)};
-  const Tensor w4 = call("aten::unsqueeze", "", st.data());
+  const Tensor w4 = aten_call("aten::unsqueeze", "", st.data());
   st = {from(relu), from(w4)};
-  const Tensor weighted = call("aten::mul", "Tensor", st.data());
+  const Tensor weighted = aten_call("aten::mul", "Tensor", st.data());
   const int64_t heads = 2;
   const std::optional<torch::headeronly::IntHeaderOnlyArrayRef> dim{torch::headeronly::IntHeaderOnlyArrayRef(&heads, 1)};
   st = {from(weighted), from(dim), from(false), from(std::optional<ST>())};
-  return call("aten::sum", "dim_IntList", st.data());
+  return aten_call("aten::sum", "dim_IntList", st.data());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <array>
 #include <optional>
 
+#include "aten_call.h"
 #include "check.h"
 
 #ifndef DSN_NS
@@ -22,24 +23,18 @@ namespace {
 
 using torch::stable::Tensor;
 using torch::stable::detail::from;
-using torch::stable::detail::to;
-
-Tensor call1(const char* op, const char* overload, std::array<StableIValue, 4>& stack) {
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(op, overload, stack.data(), TORCH_ABI_VERSION));
-  return to<Tensor>(stack[0]);
-}
 
 Tensor mean_square(Tensor xf) {
   DSN_CHECK(xf.scalar_type() == torch::headeronly::ScalarType::Float && xf.dim() >= 1,
             "mean_square: expected fp32 [..., D], got ", torch::headeronly::toString(xf.scalar_type()), " with ",
             xf.dim(), " dims");
   std::array<StableIValue, 4> sq{from(xf)};
-  const Tensor squares = call1("aten::square", "", sq);
+  const Tensor squares = aten_call("aten::square", "", sq.data());
   const int64_t last = -1;
   const std::optional<torch::headeronly::IntHeaderOnlyArrayRef> dim{torch::headeronly::IntHeaderOnlyArrayRef(&last, 1)};
   std::array<StableIValue, 4> mean{from(squares), from(dim), from(true),
                                    from(std::optional<torch::headeronly::ScalarType>())};
-  return call1("aten::mean", "dim", mean);
+  return aten_call("aten::mean", "dim", mean.data());
 }
 
 }  // namespace

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bits.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define DSN_AVX2 1
@@ -231,12 +233,10 @@ struct Fp4 {
     }
   }
   void rows_raw(int64_t k, V* w) const {
-    static const float tab[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
     for (int l = 0; l < 16; ++l) {
       const uint8_t b = code[(k / 2) * 16 + l];
-      w[l / 8].v[l % 8] = tab[b & 15];
-      w[2 + l / 8].v[l % 8] = tab[b >> 4];
+      w[l / 8].v[l % 8] = kE2m1Values[b & 15];
+      w[2 + l / 8].v[l % 8] = kE2m1Values[b >> 4];
     }
   }
   V fold_lane(const Blk& st, int h) const { return vload(st.s + 8 * h); }

@@ -107,8 +107,6 @@ inline void store_bf16(uint16_t* p, V x, int n) {
 
 #else  // portable layer
 
-inline uint32_t fbits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
-inline float bitsf(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
 inline V vsub(V a, V b) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
 inline V vdiv(V a, V b) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = a.v[i] / b.v[i]; return r; }
 inline V vmax_nan(V a, V b) {
@@ -128,17 +126,17 @@ inline V vnan_or(V x, V y) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = std:
 inline V vldexp_split(V p, V t, int32_t shift_bits) {
   V r;
   for (int i = 0; i < kLanes; ++i) {
-    const int32_t k = int32_t(fbits(t.v[i]) - uint32_t(shift_bits)), k1 = k >> 1, k2 = k - k1;
-    r.v[i] = (p.v[i] * bitsf(uint32_t(k1 + 127) << 23)) * bitsf(uint32_t(k2 + 127) << 23);
+    const int32_t k = int32_t(bits(t.v[i]) - uint32_t(shift_bits)), k1 = k >> 1, k2 = k - k1;
+    r.v[i] = (p.v[i] * from_bits(uint32_t(k1 + 127) << 23)) * from_bits(uint32_t(k2 + 127) << 23);
   }
   return r;
 }
 inline uint32_t bf16_bits32(float x) {
   if (std::isnan(x)) return 0x7FC00000u;
-  const uint32_t b = fbits(x);
+  const uint32_t b = bits(x);
   return (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
 }
-inline V vbf16(V x) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = bitsf(bf16_bits32(x.v[i])); return r; }
+inline V vbf16(V x) { V r; for (int i = 0; i < kLanes; ++i) r.v[i] = from_bits(bf16_bits32(x.v[i])); return r; }
 inline void store_bf16(uint16_t* p, V x, int n) {
   for (int i = 0; i < n; ++i) p[i] = uint16_t(bf16_bits32(x.v[i]) >> 16);
 }
@@ -282,16 +280,9 @@ struct Problem {
   const float* table;   // [B * N][Dp] fp32 copy of kv, or null: items convert their own rows
 };
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t b = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
 // kv row (D bf16) -> dst (Dp fp32, zero padded)
 inline void convert_row(const uint16_t* src, int64_t D, int64_t Dp, float* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(src[d]);
+  for (int64_t d = 0; d < D; ++d) dst[d] = bf16_value(src[d]);
   for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
 }
 
@@ -340,7 +331,7 @@ void attend(const Problem& pb, int64_t r, int64_t v0, int64_t v1, Scratch& sc) {
   std::fill(qT, qT + D * hw, 0.0f);
   for (int64_t h = 0; h < nh; ++h) {
     const uint16_t* qh = pb.q + (r * pb.H + h0 + h) * D;
-    for (int64_t d = 0; d < D; ++d) qT[d * hw + h] = bf16_to_float(qh[d]);
+    for (int64_t d = 0; d < D; ++d) qT[d * hw + h] = bf16_value(qh[d]);
   }
   float* lg = sc.lg.data();
   qk_all(qT, hw, nhv, sc.rows.data(), nv, D, pb.scale, lg);
