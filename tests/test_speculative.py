@@ -364,7 +364,7 @@ def test_position_logits_through_the_widest_decode_head_equal_the_calls_own_head
 
     from dsneuron.runtime_min.core.runner import Runner
 
-    B, S, Sp = 2, 6, 16
+    B, S, Sp = 2, 5, 16  # 10 positions: groups of 4, 4 and 2 (padded)
     gen = torch.Generator().manual_seed(0)
     head = {"h": torch.randn(B, Sp, 2, 8, generator=gen).bfloat16(), "pre_mix": torch.randn(B, Sp, 2, generator=gen)}
     own = _HeadStage(B)

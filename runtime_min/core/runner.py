@@ -414,13 +414,15 @@ class Runner:
         bit-identical to that many decode steps). Returns a speculative.Verified with the logits
         fp32 [B, S, V] at every position (`_position_logits`) and main_hidden bf16
         [B, S, T*D] (the stream entering each target layer's attention, averaged over its hc
-        copies); taps=False skips both (a replay). Raises ValueError for arguments outside that
-        contract (`check_verify_args`), BundleError when the chunk bucket is not
+        copies); taps=False skips both (a replay). Raises ValueError for rows outside that contract
+        (`check_verify_args`) or no target layer when tapped, BundleError when the chunk bucket is not
         staged (the cpu target's), ValueError without a chunk bucket of batch B, UserError past the
         context capacity."""
         from .speculative import Verified
 
-        check_verify_args(tokens, pos, count, target_layers if taps else (0,))
+        check_verify_args(tokens, pos, count)
+        if taps and not target_layers:
+            raise ValueError("verify: target_layers must name at least one layer (the drafter's dspark_target_layer_ids)")
         B, S = tokens.shape
         if self.hasher is not None and state.history is None:
             raise ValueError("verify: this bundle hashes engram ids; the state needs its history [B, H]")
@@ -492,8 +494,8 @@ class Runner:
         out = []
         for i in range(0, B * S, G):
             n = min(G, B * S - i)
-            pad = [0] * (G - n)  # a last group's spare rows repeat its first position; their logits are dropped
-            take = torch.tensor([*range(i, i + n), *(i + p for p in pad)])
+            # a last group's spare rows repeat its first position; their logits are dropped
+            take = torch.tensor([*range(i, i + n), *[i] * (G - n)])
             got = wide.run_stage("head", {"h": rows_h[take].contiguous(), "pre_mix": rows_mix[take].contiguous(),
                                           "last": torch.zeros(G, dtype=torch.int64)})[0]
             out.append(got[:n])
@@ -604,9 +606,9 @@ class Runner:
             state.history[dst].copy_(state.history[src])
 
 
-def check_verify_args(tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, target_layers: Sequence[int]) -> None:
-    """Runner.verify's contract, a ValueError naming the first breach: tokens [B, S] with S >= 1,
-    pos and count [B], pos >= 0, count in 1..S, at least one target layer."""
+def check_verify_args(tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor) -> None:
+    """Runner.verify's contract on its rows, a ValueError naming the first breach: tokens [B, S]
+    with B, S >= 1, pos and count [B], pos >= 0, count in 1..S."""
     if tokens.dim() != 2 or tokens.size(1) < 1 or tokens.size(0) < 1:
         raise ValueError(f"verify: tokens must be [B, S] with B, S >= 1, got shape {tuple(tokens.shape)}")
     B, S = tokens.shape
@@ -616,8 +618,6 @@ def check_verify_args(tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tens
         raise ValueError(f"verify: pos must be >= 0, got {pos.tolist()}")
     if int(count.min()) < 1 or int(count.max()) > S:
         raise ValueError(f"verify: count must lie in 1..S = 1..{S}, got {count.tolist()}")
-    if not target_layers:
-        raise ValueError("verify: target_layers must name at least one layer (the drafter's dspark_target_layer_ids)")
 
 
 def _grow(t: torch.Tensor, shape: Sequence[int], fill: float) -> torch.Tensor:
