@@ -7,7 +7,9 @@ the C++ package loader (`torch._C._aoti.AOTIModelPackageLoader`).
 
 Flags (measured on this 2-core host):
 - the wrapper, the glue that calls the kernels, is built at -O0: that halves the g++ time of the
-  largest translation unit (9.2 s -> 4.9 s for a one-linear graph) while kernels keep -O3;
+  largest translation unit (9.2 s -> 4.9 s for a one-linear graph) while kernels keep -O3; and the
+  AOTI runtime inside it is compiled once per flag set, not once per executable
+  (compiler/aoti_runtime.py: 3.75 -> 1.95 s of g++ for a tiny decode attention stage's wrapper);
 - no line tables (-g1 off): g++ spends a quarter of a kernel TU's time and a sixth of a wrapper
   TU's on them (one block kernel TU 8.4 -> 6.3 s, the 13-node embedding's wrapper 7.7 -> 6.6 s);
   a crash inside an executable then shows function names but no source lines;
@@ -44,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .aoti_runtime import shared_runtime
 from .export import quiet_treespec_warning, size_oblivious
 
 BACKEND = "aot_inductor"
@@ -88,10 +91,14 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
     """AOTInductor-compile `program` into the package file `out` (written whole, then renamed).
 
     The package is built under its final file name in a private folder, because the archive's
-    root folder is named after the file: the same graph then gives the same member names.
+    root folder is named after the file: the same graph then gives the same member names. The
+    runtime objects the wrappers share (compiler/aoti_runtime.py) live in Inductor's cache folder
+    beside its precompiled headers, whose paths their keys take.
     """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        with quiet_treespec_warning(), size_oblivious():
+        with quiet_treespec_warning(), size_oblivious(), shared_runtime(Path(cache_dir()) / "dsneuron-aoti-runtime"):
             torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
         os.replace(built, out)
