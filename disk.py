@@ -17,8 +17,18 @@ from typing import Iterator
 
 from . import UserError
 
+#: the environment variable that moves dsneuron's cache folder
+ENV_VAR = "DSNEURON_CACHE_DIR"
+
 #: kept free on top of a write's own size (file system metadata, the manifest, small files)
 SLACK_BYTES = 16 * 2**20
+
+
+def default_cache_dir() -> Path:
+    """dsneuron's cache folder (the compile cache, generated checkpoints, built kernels, token
+    maps): $DSNEURON_CACHE_DIR if set, else ~/.cache/dsneuron. Not created here."""
+    env = os.environ.get(ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsneuron"
 
 
 class DiskFullError(UserError):

@@ -34,18 +34,11 @@ from typing import Any, Callable
 import torch
 
 from dsneuron import UserError
-from dsneuron.disk import disk_full_is_an_error
+from dsneuron.disk import ENV_VAR, default_cache_dir, disk_full_is_an_error
 from dsneuron.runtime_min.bundle.bundle import file_sha256
 
-ENV_VAR = "DSNEURON_CACHE_DIR"
 MARKER = "COMPLETE"
 _KEY_FORMAT = 2  # bump when the key's ingredients change
-
-
-def default_cache_dir() -> Path:
-    """$DSNEURON_CACHE_DIR if set, else ~/.cache/dsneuron."""
-    env = os.environ.get(ENV_VAR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsneuron"
 
 
 def cache_root(cache_dir: Path | None) -> Path:

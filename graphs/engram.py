@@ -30,8 +30,12 @@ carries to `dsneuron.kernels_nki.engram_hash.NgramHasher`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import itertools
+import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,8 @@ from typing import Any
 import numpy as np
 import tokenizers
 from tokenizers import Regex, normalizers
+
+from dsneuron.disk import default_cache_dir
 
 from .config import ConfigError, ModelConfig
 from .tokenizer import default_tokenizer_path, load_tokenizer
@@ -170,13 +176,39 @@ def build_compressed_token_map(tokenizer: tokenizers.Tokenizer) -> tuple[list[in
 
 @functools.lru_cache(maxsize=4)
 def _cached_token_map(path: str) -> tuple[tuple[int, ...], int]:
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        data = None  # load_tokenizer names the problem
+    stored = None
+    if data is not None:
+        key = hashlib.sha256(data + f"\0tokenizers {tokenizers.__version__}".encode()).hexdigest()
+        stored = default_cache_dir() / "token-maps" / f"{key}.npy"
+        try:
+            row = np.load(stored)
+            return tuple(row[1:].tolist()), int(row[0])
+        except (OSError, ValueError):
+            pass
     lookup, n = build_compressed_token_map(load_tokenizer(path))
+    if stored is not None:
+        tmp = stored.with_name(f".{stored.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.npy")
+        try:  # a private name, then one rename: a reader sees the whole file or none
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            np.save(tmp, np.array([n, *lookup], dtype=np.int64))
+            os.replace(tmp, stored)
+        except OSError:
+            pass  # a read-only cache costs the rebuild next time, nothing else
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
     return tuple(lookup), n
 
 
 def compressed_token_map(tokenizer_path: str | Path | None = None) -> tuple[tuple[int, ...], int]:
     """`build_compressed_token_map` of the tokenizer file at `tokenizer_path` (None: the packaged
-    one), cached in-process by resolved path. Raises TokenizerError for a missing/invalid file."""
+    one), cached in-process by resolved path and on disk by the file's sha256 and the tokenizers
+    release (dsneuron's cache folder, token-maps/: 1 s for the V4 tokenizer -> a file read).
+    Raises TokenizerError for a missing/invalid file."""
     p = default_tokenizer_path() if tokenizer_path is None else Path(tokenizer_path)
     return _cached_token_map(str(p.resolve()))
 

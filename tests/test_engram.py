@@ -166,6 +166,29 @@ def test_token_map_is_cached():
     assert time.perf_counter() - t0 < 0.05
 
 
+def test_token_map_is_kept_on_disk_and_a_bad_file_is_rebuilt(tok, tmp_path, monkeypatch):
+    from dsneuron.graphs.engram import _cached_token_map, build_compressed_token_map
+    built = build_compressed_token_map(tok)
+    monkeypatch.setenv("DSNEURON_CACHE_DIR", str(tmp_path / "cache"))
+    _cached_token_map.cache_clear()
+    try:
+        first = compressed_token_map()
+        (stored,) = (tmp_path / "cache" / "token-maps").glob("*.npy")
+        _cached_token_map.cache_clear()
+        assert compressed_token_map() == first and (list(first[0]), first[1]) == built
+        stored.write_bytes(b"not an array")
+        _cached_token_map.cache_clear()
+        assert compressed_token_map() == first
+        # a cache folder that cannot be written: the map is still made, nothing raised
+        blocker = tmp_path / "a-file"
+        blocker.write_text("x")
+        monkeypatch.setenv("DSNEURON_CACHE_DIR", str(blocker))
+        _cached_token_map.cache_clear()
+        assert compressed_token_map() == first
+    finally:
+        _cached_token_map.cache_clear()
+
+
 # ---------------------------------------------------------------------------------- parameters
 def test_engram_params_fields_and_json_round_trip():
     cfg, _, _ = load_config("tiny")
