@@ -13,8 +13,8 @@ wrapper's compile command is split in two:
 - the interface part plus an explicit instantiation of `AOTInductorModelBase<AOTInductorModel>` is
   compiled once into `folder/runtime-<key>.o`, key = sha256 of that text, the full compile command
   (flags, precompiled header, include folders) and the torch version;
-- the graph's part is compiled with `extern template` for the base class, so g++ instantiates only
-  the graph's own code;
+- the graph's part (written beside it; Inductor's generated source is left as it is) is compiled
+  with `extern template` for the base class, so g++ instantiates only the graph's own code;
 and the link of the executable's shared object gets the runtime object beside the wrapper's. Both
 objects come from the same command, so the shared object holds the same code as before, its
 exported C interface included (the package loader finds the same symbols).
@@ -93,7 +93,8 @@ def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Call
                    cwd: str) -> str | None:
     """Compile wrapper `source` (args: its -c command) as its graph part, after making the runtime
     object if it is not in `folder`; returns the runtime object's path, or None (nothing done)
-    when the source cannot be split."""
+    when the source cannot be split. The generated source is left as it is: Inductor keeps it in
+    its cache and compiles it again, unchanged, when the same graph comes back."""
     text = Path(source).read_text()
     parts = split_wrapper(text)
     if parts is None or "-o" not in args:
@@ -103,21 +104,17 @@ def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Call
     command = [a for i, a in enumerate(args) if a != source and i != out]
     key = hashlib.sha256("\0".join([runtime, torch.__version__, *command]).encode()).hexdigest()[:32]
     runtime_o = folder / f"runtime-{key}.o"
-    if not runtime_o.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".runtime-{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        try:
-            Path(f"{tmp}.cpp").write_text(runtime)
-            compile_cmd(shlex.join([f"{tmp}.cpp" if a == source else f"{tmp}.o" if i == out else a
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        if not runtime_o.is_file():
+            Path(f"{tmp}.runtime.cpp").write_text(runtime)
+            compile_cmd(shlex.join([f"{tmp}.runtime.cpp" if a == source else f"{tmp}.o" if i == out else a
                                     for i, a in enumerate(args)]), cwd)
             os.replace(f"{tmp}.o", runtime_o)  # a concurrent build of the same key made the same bytes
-        finally:
-            for suffix in (".cpp", ".o"):
-                Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-    Path(source).write_text(graph)
-    try:
-        compile_cmd(shlex.join(args), cwd)
-    except BaseException:
-        Path(source).write_text(text)  # the error names the source: leave what Inductor generated
-        raise
+        Path(f"{tmp}.graph.cpp").write_text(graph)
+        compile_cmd(shlex.join([f"{tmp}.graph.cpp" if a == source else a for a in args]), cwd)
+    finally:
+        for suffix in (".runtime.cpp", ".o", ".graph.cpp"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
     return str(runtime_o)
