@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -148,14 +149,18 @@ class BundleWriter:
         need = len(prefix) + sum(nbytes.values())
         check_free(self.out.parent, need, f"the bundle's {rel}")
         digest = hashlib.sha256(prefix)
-        with disk_full_is_an_error(self.out / rel, need, f"the bundle's {rel}"), open(path, "wb") as f:
+        # each piece is hashed on a second thread while this one writes it (both release the GIL):
+        # the weights file costs the longer of the two instead of their sum
+        with disk_full_is_an_error(self.out / rel, need, f"the bundle's {rel}"), open(path, "wb") as f, \
+                ThreadPoolExecutor(1, thread_name_prefix="dsneuron-sha256") as hasher:
             f.write(prefix)
             for name in order:
                 w = weights[name]
                 written = 0
                 for piece in (tensor_chunks(w, CHUNK_BYTES) if isinstance(w, torch.Tensor) else w.chunks(CHUNK_BYTES)):
-                    digest.update(piece)
+                    hashed = hasher.submit(digest.update, piece)
                     f.write(piece)
+                    hashed.result()  # before the next piece: a source may reuse its buffer
                     written += len(piece)
                 if written != nbytes[name]:
                     raise ValueError(f"weight {name}: its source gave {written} bytes, {specs[name][0]} "
