@@ -11,8 +11,9 @@ runtime is left out. A cold tiny compile builds 32 such units.
 While `shared_runtime(folder)` is active (in the process that runs the AOTInductor compile), the
 wrapper's compile command is split in two:
 - the interface part plus an explicit instantiation of `AOTInductorModelBase<AOTInductorModel>` is
-  compiled once into `folder/runtime-<key>.o`, key = sha256 of that text, the full compile command
-  (flags, precompiled header, include folders) and the torch version;
+  compiled once into `folder/runtime-<key>.o` (with its sha256 in `runtime-<key>.sha256`: an object
+  that does not match is built again), key = sha256 of that text, the full compile command (flags,
+  precompiled header, include folders) and the torch version;
 - the graph's part (written beside it; Inductor's generated source is left as it is) is compiled
   with `extern template` for the base class, so g++ instantiates only the graph's own code;
 and the link of the executable's shared object gets the runtime object beside the wrapper's. Both
@@ -20,8 +21,8 @@ objects come from the same command, so the shared object holds the same code as 
 exported C interface included (the package loader finds the same symbols).
 
 The split relies on the text Inductor generates (torch pinned in pyproject.toml); a wrapper that
-does not have that shape (the interface's end marker missing or not unique) is compiled whole, as
-Inductor would.
+does not have that shape (the interface's end marker missing or not unique), or a `folder` that
+cannot be written, is compiled whole, as Inductor would.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import contextlib
 import hashlib
 import os
 import shlex
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -92,9 +95,11 @@ def shared_runtime(folder: Path) -> Iterator[None]:
 def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Callable[[str, str], None],
                    cwd: str) -> str | None:
     """Compile wrapper `source` (args: its -c command) as its graph part, after making the runtime
-    object if it is not in `folder`; returns the runtime object's path, or None (nothing done)
-    when the source cannot be split. The generated source is left as it is: Inductor keeps it in
-    its cache and compiles it again, unchanged, when the same graph comes back."""
+    object if `folder` holds no intact one (its sha256 beside it); returns the runtime object's
+    path, or None (nothing done: compile it whole) when the source cannot be split or `folder`
+    cannot be used. The generated source is left as it is: Inductor keeps it in its cache and
+    compiles it again, unchanged, when the same graph comes back; the sources written here live in
+    a private temporary folder."""
     text = Path(source).read_text()
     parts = split_wrapper(text)
     if parts is None or "-o" not in args:
@@ -103,18 +108,40 @@ def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Call
     out = args.index("-o") + 1
     command = [a for i, a in enumerate(args) if a != source and i != out]
     key = hashlib.sha256("\0".join([runtime, torch.__version__, *command]).encode()).hexdigest()[:32]
-    runtime_o = folder / f"runtime-{key}.o"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    try:
-        if not runtime_o.is_file():
-            Path(f"{tmp}.runtime.cpp").write_text(runtime)
-            compile_cmd(shlex.join([f"{tmp}.runtime.cpp" if a == source else f"{tmp}.o" if i == out else a
+    runtime_o, mark = folder / f"runtime-{key}.o", folder / f"runtime-{key}.sha256"
+    with tempfile.TemporaryDirectory(prefix="dsneuron-aoti-") as tmp:
+        if not _intact(runtime_o, mark):
+            built = Path(tmp) / "runtime.o"
+            (Path(tmp) / "runtime.cpp").write_text(runtime)
+            compile_cmd(shlex.join([f"{tmp}/runtime.cpp" if a == source else str(built) if i == out else a
                                     for i, a in enumerate(args)]), cwd)
-            os.replace(f"{tmp}.o", runtime_o)  # a concurrent build of the same key made the same bytes
-        Path(f"{tmp}.graph.cpp").write_text(graph)
-        compile_cmd(shlex.join([f"{tmp}.graph.cpp" if a == source else a for a in args]), cwd)
-    finally:
-        for suffix in (".runtime.cpp", ".o", ".graph.cpp"):
-            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+            part = folder / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            try:  # copied in under a private name, then renamed: a reader sees a whole object or none
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(built, f"{part}.o")
+                Path(f"{part}.sha256").write_text(_sha256(built))
+                os.replace(f"{part}.o", runtime_o)
+                os.replace(f"{part}.sha256", mark)
+            except OSError:  # the folder cannot take it: this wrapper compiles whole, as Inductor's
+                for leftover in (f"{part}.o", f"{part}.sha256"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
+                return None
+            if not _intact(runtime_o, mark):  # a concurrent writer's pair, half renamed
+                return None
+        (Path(tmp) / "graph.cpp").write_text(graph)
+        compile_cmd(shlex.join([f"{tmp}/graph.cpp" if a == source else a for a in args]), cwd)
     return str(runtime_o)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _intact(runtime_o: Path, mark: Path) -> bool:
+    """Whether `runtime_o` is there with the sha256 its mark file records (an empty or truncated
+    object would link into an executable that fails to load: it is rebuilt instead)."""
+    try:
+        return runtime_o.is_file() and mark.read_text().strip() == _sha256(runtime_o)
+    except OSError:
+        return False

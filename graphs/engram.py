@@ -186,8 +186,9 @@ def _cached_token_map(path: str) -> tuple[tuple[int, ...], int]:
         stored = default_cache_dir() / "token-maps" / f"{key}.npy"
         try:
             row = np.load(stored)
-            return tuple(row[1:].tolist()), int(row[0])
-        except (OSError, ValueError):
+            if _valid_token_map(row):
+                return tuple(row[1:].tolist()), int(row[0])
+        except Exception:  # noqa: BLE001 - any unreadable file is rebuilt (np.load: EOFError, ValueError, ...)
             pass
     lookup, n = build_compressed_token_map(load_tokenizer(path))
     if stored is not None:
@@ -202,6 +203,15 @@ def _cached_token_map(path: str) -> tuple[tuple[int, ...], int]:
             with contextlib.suppress(OSError):
                 tmp.unlink()
     return tuple(lookup), n
+
+
+def _valid_token_map(row: Any) -> bool:
+    """Whether a stored [n_classes, lookup...] row can be a token map: 1-D int64, every id in
+    0..n_classes-1 and every class used."""
+    if not isinstance(row, np.ndarray) or row.dtype != np.int64 or row.ndim != 1 or len(row) < 2:
+        return False
+    lookup = row[1:]
+    return int(lookup.min()) == 0 and int(lookup.max()) == int(row[0]) - 1
 
 
 def compressed_token_map(tokenizer_path: str | Path | None = None) -> tuple[tuple[int, ...], int]:

@@ -91,20 +91,50 @@ def test_the_patch_is_undone(tmp_path):
     assert cpp_builder.run_compile_cmd is before
 
 
-def test_a_failed_graph_compile_leaves_nothing_behind(tmp_path):
-    source = tmp_path / "x.wrapper.cpp"
-    source.write_text(WRAPPER)
-    calls = []
-
+def _fake_compiler(calls: list, fail_graph: bool = False):
+    """A stand-in for the compile command: writes its -o file, records its arguments, fails on the
+    graph part when asked."""
     def compile_cmd(cmd: str, cwd: str) -> None:
         args = shlex.split(cmd)
         calls.append(args)
-        if any(a.endswith(".graph.cpp") for a in args):  # the graph part fails, the runtime built
+        if fail_graph and any(a.endswith("graph.cpp") for a in args):
             raise RuntimeError("g++ failed")
-        Path(args[args.index("-o") + 1]).write_bytes(b"obj")
+        if "-o" in args:
+            source = next(a for a in args if a.endswith(".cpp"))
+            Path(args[args.index("-o") + 1]).write_bytes(b"obj of " + Path(source).read_bytes())
+    return compile_cmd
 
+
+def _split(tmp_path, compile_cmd, folder=None):
+    source = tmp_path / "x.wrapper.cpp"
+    source.write_text(WRAPPER)
+    return aoti_runtime._compile_split(["g++", str(source), "-c", "-o", str(tmp_path / "x.o")], str(source),
+                                       folder or tmp_path / "rt", compile_cmd, str(tmp_path))
+
+
+def test_a_failed_graph_compile_leaves_nothing_behind(tmp_path):
+    calls = []
     with pytest.raises(RuntimeError, match="g\\+\\+ failed"):
-        aoti_runtime._compile_split(["g++", str(source), "-c", "-o", str(tmp_path / "x.o")], str(source),
-                                    tmp_path / "rt", compile_cmd, str(tmp_path))
-    assert source.read_text() == WRAPPER
-    assert [p.name.startswith("runtime-") for p in (tmp_path / "rt").iterdir()] == [True]  # no leftovers
+        _split(tmp_path, _fake_compiler(calls, fail_graph=True))
+    assert (tmp_path / "x.wrapper.cpp").read_text() == WRAPPER
+    names = sorted(p.name for p in (tmp_path / "rt").iterdir())
+    assert len(names) == 2 and names[0].endswith(".o") and names[1].endswith(".sha256")  # no leftovers
+
+
+@pytest.mark.parametrize("damage", [b"", b"obj of #include"])
+def test_a_damaged_runtime_object_is_built_again(tmp_path, damage):
+    calls = []
+    runtime_o = _split(tmp_path, _fake_compiler(calls))
+    intact = Path(runtime_o).read_bytes()
+    assert len(calls) == 2  # the runtime, then the graph
+    assert _split(tmp_path, _fake_compiler(calls)) == runtime_o and len(calls) == 3  # reused
+    Path(runtime_o).write_bytes(damage)  # an empty object links "fine" into an executable that cannot load
+    assert _split(tmp_path, _fake_compiler(calls)) == runtime_o and len(calls) == 5
+    assert Path(runtime_o).read_bytes() == intact
+
+
+def test_a_folder_that_cannot_be_used_compiles_the_wrapper_whole(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert _split(tmp_path, _fake_compiler([]), folder=blocker) is None
+    assert blocker.read_text() == "x"

@@ -176,9 +176,14 @@ def test_token_map_is_kept_on_disk_and_a_bad_file_is_rebuilt(tok, tmp_path, monk
         (stored,) = (tmp_path / "cache" / "token-maps").glob("*.npy")
         _cached_token_map.cache_clear()
         assert compressed_token_map() == first and (list(first[0]), first[1]) == built
-        stored.write_bytes(b"not an array")
-        _cached_token_map.cache_clear()
-        assert compressed_token_map() == first
+        for bad in (b"not an array", b""):  # np.load raises ValueError, EOFError
+            stored.write_bytes(bad)
+            _cached_token_map.cache_clear()
+            assert compressed_token_map() == first
+        for bad in (np.array(5), np.array([3, 0, 1]), np.array([2.0, 0.0, 1.0])):  # 0-d, a class unused, floats
+            np.save(stored, bad)
+            _cached_token_map.cache_clear()
+            assert compressed_token_map() == first
         # a cache folder that cannot be written: the map is still made, nothing raised
         blocker = tmp_path / "a-file"
         blocker.write_text("x")
