@@ -39,6 +39,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from dsneuron.runtime_min.bundle.bundle import file_sha256
+
 INTERFACE_END = '} // extern "C"\n'
 _BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
 
@@ -119,7 +121,7 @@ def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Call
             try:  # copied in under a private name, then renamed: a reader sees a whole object or none
                 folder.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(built, f"{part}.o")
-                Path(f"{part}.sha256").write_text(_sha256(built))
+                Path(f"{part}.sha256").write_text(file_sha256(built))
                 os.replace(f"{part}.o", runtime_o)
                 os.replace(f"{part}.sha256", mark)
             except OSError:  # the folder cannot take it: this wrapper compiles whole, as Inductor's
@@ -134,14 +136,10 @@ def _compile_split(args: list[str], source: str, folder: Path, compile_cmd: Call
     return str(runtime_o)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def _intact(runtime_o: Path, mark: Path) -> bool:
     """Whether `runtime_o` is there with the sha256 its mark file records (an empty or truncated
     object would link into an executable that fails to load: it is rebuilt instead)."""
     try:
-        return runtime_o.is_file() and mark.read_text().strip() == _sha256(runtime_o)
+        return runtime_o.is_file() and mark.read_text().strip() == file_sha256(runtime_o)
     except OSError:
         return False
