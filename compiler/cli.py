@@ -147,6 +147,9 @@ def compile_cmd(
     numerics: Optional[str] = typer.Option(None, "--numerics", help="exact (every GEMM in one fixed fp32 order: "
                                            "bit-identical to the golden on every host) or fast (bf16 dot products, "
                                            "deterministic on one host; cpu target) [default: the config's, exact]"),
+    speculative: Optional[str] = typer.Option(None, "--speculative", help="none, or dspark: store the model's DSpark "
+                                              "drafter (mtp.*) in the bundle, for `run --speculative-tokens K` "
+                                              "(cpu target) [default: the config's, none]"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (the world size): 2 or more writes a sharded bundle, "
                                            "one rank bundle per process of `dsneuron run` (cpu target only)"),
     ep: Optional[int] = typer.Option(None, "--ep", help="with --tp: expert-parallel groups of the MoE [default: tp, "
@@ -156,11 +159,14 @@ def compile_cmd(
     from dsneuron.compiler import compile as pipeline
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.bundle_writer import check_output
-    from dsneuron.compiler.config import check_indexer, check_numerics, checkpoint_config, load_config
+    from dsneuron.compiler.config import (check_indexer, check_numerics, check_speculative, check_speculative_plan,
+                                          checkpoint_config, load_config)
     from dsneuron.runtime_min.bundle.bundle import check_target
 
     if numerics is not None:
         check_numerics(numerics, "--numerics")  # fail fast, before reading anything
+    if speculative is not None:
+        check_speculative(speculative, "--speculative")
     par = _parallel_flags(tp, ep, target, probes, stablehlo_only)
     if stablehlo_only:  # fail fast, before reading anything
         from dsneuron.compiler.compile import check_stablehlo_only
@@ -194,6 +200,9 @@ def compile_cmd(
     if compile_cfg.numerics != "exact" and target != "cpu":
         raise UserError(f"numerics {compile_cfg.numerics}: the fast kernels are the cpu target's (the neuron target "
                         "has one numerics)")
+    if speculative is not None:
+        compile_cfg = dataclasses.replace(compile_cfg, speculative=speculative)
+    check_speculative_plan(compile_cfg, model_cfg, "neuron-stablehlo" if stablehlo_only else target, tp)
     # before the checkpoint is made or loaded, which can take minutes: compile_bundle repeats both
     plan_buckets(compile_cfg, model_cfg)
     check_output(out, force)
@@ -253,12 +262,13 @@ def run_cmd(
     stats: bool = typer.Option(False, "--stats", metavar=FLAG, help="print prefill time, time to first token and decode tokens/s "
                                                       "to stderr"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
-                                           help="with --draft-checkpoint: draft this many tokens a step with DSpark and "
-                                                "verify them in one chunk call (0 = off; at most the model's "
-                                                "dspark_block_size; a cpu bundle with a chunk bucket)"),
+                                           help="draft this many tokens a step with DSpark and verify them in one "
+                                                "chunk call (0 = off; at most the model's dspark_block_size; a cpu "
+                                                "bundle compiled with --speculative dspark, or --draft-checkpoint)"),
     draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
-                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft; "
-                                                         "the drafter runs eagerly (not compiled)"),
+                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
+                                                         "instead of the bundle's own; the drafter runs eagerly "
+                                                         "(not compiled)"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
@@ -273,8 +283,8 @@ def run_cmd(
     check_generation(max_new_tokens, temperature, top_p, seed, names=RUN_FLAGS)
     if speculative_tokens < 0:
         raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
-    if speculative_tokens and (draft_checkpoint is None or prompt is None):
-        raise UserError("--speculative-tokens needs --draft-checkpoint CKPT (the drafter's weights) and one --prompt")
+    if speculative_tokens and prompt is None:
+        raise UserError("--speculative-tokens runs one --prompt (not --prompts-file)")
     if draft_checkpoint is not None and not speculative_tokens:
         raise UserError("--draft-checkpoint is used only with --speculative-tokens K (K >= 1 drafts a verify)")
     if speculative_tokens:
@@ -301,13 +311,15 @@ def run_cmd(
 
 
 def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_new_tokens: int, temperature: float,
-                     top_p: float, seed: Optional[int], stats: bool, k: int, draft_checkpoint: Path) -> None:
+                     top_p: float, seed: Optional[int], stats: bool, k: int, draft_checkpoint: Optional[Path]) -> None:
     """`run --speculative-tokens K`: one prompt, DSpark (graphs/dspark.py, eager) drafting K tokens a
-    step from `draft_checkpoint`'s mtp.* weights, the bundle verifying (runtime_min/core/speculative.py)."""
+    step, the bundle verifying (runtime_min/core/speculative.py). The drafter's weights: the bundle's
+    own (`compile --speculative dspark`), or `draft_checkpoint`'s mtp.* when given."""
     import time
 
     from dsneuron.graphs.config import ModelConfig
-    from dsneuron.graphs.dspark import load_drafter
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors, load_drafter
+    from dsneuron.runtime_min.bundle.schema import BundleError
     from dsneuron.runtime_min.session import Session
 
     session = Session.load(bundle, verify_key)
@@ -316,7 +328,17 @@ def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_
         raise UserError(f"{bundle}: the model has no DSpark stages (n_mtp_layers = 0)")
     if not 1 <= k <= cfg.dspark_block_size:
         raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
-    drafter = load_drafter(draft_checkpoint, cfg, session.max_capacity)
+    if draft_checkpoint is not None:
+        drafter = load_drafter(draft_checkpoint, cfg, session.max_capacity)
+    elif session.runner.bundle.speculative == "dspark":
+        tensors = session.runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
+        try:
+            drafter = drafter_from_tensors(tensors, cfg, session.max_capacity)
+        except ValueError as e:
+            raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
+    else:
+        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
+                        "give --draft-checkpoint CKPT")
     t0 = time.perf_counter()
     text, spec = session.generate_speculative(prompt, max_new_tokens, drafter, k, temperature, top_p, seed)
     seconds = time.perf_counter() - t0
@@ -582,6 +604,17 @@ def inspect_cmd(
     console.print(f"numerics: {m.numerics}" + (" (bit-identical to the golden on every host)" if m.numerics == "exact" else
                                                " (bf16 dot products: deterministic on one host; compare within the "
                                                "fast floors)"))
+    if m.compile_config.get("speculative", "none") != "none":
+        from safetensors import safe_open
+
+        n_mtp = 0
+        for rel in m.weights_files:
+            if (root / rel).is_file():
+                with safe_open(str(root / rel), framework="pt") as f:
+                    n_mtp += sum(n.startswith("mtp.") for n in f.keys())
+        console.print(f"speculative: {m.compile_config['speculative']} (the drafter's {n_mtp} mtp.* tensors in the weights "
+                      f"file, block size {m.model_config.get('dspark_block_size')}; `run --speculative-tokens K` drafts "
+                      "with them eagerly)")
     shard = m.compiler.get("shard")
     if shard:
         console.print(f"shard: rank {shard['rank']} of a sharded bundle of tp={shard['tp']}, ep={shard['ep']} "

@@ -217,7 +217,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     state = _state_entries(parts.steps, plan)
     fingerprint = getattr(parts.steps, "fingerprint", None)
     fp = fingerprint() if callable(fingerprint) else None
-    wdigest = _weights_digest(parts.weights)
+    host = set(parts.host_weights)
+    wdigest = _weights_digest({n: t for n, t in parts.weights.items() if n not in host})
     buckets: list[Bucket] = []
     sc: StagedCompile | None = None
     custom_ops: dict[str, str] = {}
@@ -309,7 +310,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         used = {n for b in buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
         recipes = tuple(r for r in parts.prepare if set(r.outputs) & used)
         made = {n for r in recipes for n in r.outputs}
-        keep = (used - made) | {n for r in recipes for n in (*r.weights, *r.scales)}
+        keep = (used - made) | {n for r in recipes for n in (*r.weights, *r.scales)} | host
         weight_files = writer.write_weight_shards({n: t for n, t in stored.items() if n in keep}, weight_shard_bytes)
         for p in tok_files:
             writer.copy_in(p, f"{TOKENIZER_DIR}/{p.name}")

@@ -16,6 +16,8 @@ from typing import Any
 from dsneuron.graphs.config import INDEXER_MODES, NUMERICS_MODES, ConfigError, ModelConfig, check_keys, coerce
 
 PACKAGED = Path(__file__).parent / "configs"
+#: what `compile --speculative` may store: no drafter, or V4.1's DSpark stages (mtp.*)
+SPECULATIVE_METHODS = ("none", "dspark")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class CompileConfig:
         GEMM in one fixed fp32 order, bit-identical to the golden on every host) or "fast" (bf16 dot
         products, kernels_nki/cpu_gemm_fast.py: deterministic and batch-invariant on one host).
         Left out of `to_dict` when "exact", so an exact bundle's manifest is what it was before the field.
+    speculative: the drafter the bundle carries for speculative decoding (SPECULATIVE_METHODS):
+        "none" (the default, left out of `to_dict`) or "dspark" (V4.1's DSpark stages, the
+        checkpoint's `mtp.*` tensors, stored in the weights file beside the executables' weights;
+        the runtime drafts with them eagerly, graphs/dspark.py, and verifies on the chunk bucket).
     """
 
     max_seq_len: int
@@ -56,6 +62,7 @@ class CompileConfig:
     chunked_prefill: bool = True
     numerics: str = "exact"
     decode_batch_sizes: tuple[int, ...] = ()
+    speculative: str = "none"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "compile") -> "CompileConfig":
@@ -72,6 +79,8 @@ class CompileConfig:
                 values[name] = check_indexer(raw[name], f"{where}.indexer")
             elif name == "numerics":
                 values[name] = check_numerics(raw[name], f"{where}.numerics")
+            elif name == "speculative":
+                values[name] = check_speculative(raw[name], f"{where}.speculative")
             else:
                 values[name] = coerce(raw[name], f.type, f"{where}.{name}")
         cfg = cls(**values)
@@ -90,7 +99,8 @@ class CompileConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
-                if not (k == "numerics" and v == "exact" or k == "decode_batch_sizes" and not v)}
+                if not (k == "numerics" and v == "exact" or k == "decode_batch_sizes" and not v
+                        or k == "speculative" and v == "none")}
 
 
 def check_indexer(value: Any, where: str) -> str:
@@ -98,6 +108,33 @@ def check_indexer(value: Any, where: str) -> str:
     if value not in INDEXER_MODES:
         raise ConfigError(f"{where}: must be one of {', '.join(INDEXER_MODES)} (got {value!r})")
     return value
+
+
+def check_speculative(value: Any, where: str) -> str:
+    """`value` if it is a speculative-decoding method (SPECULATIVE_METHODS); else ConfigError naming `where`."""
+    if value not in SPECULATIVE_METHODS:
+        raise ConfigError(f"{where}: must be one of {', '.join(SPECULATIVE_METHODS)} (got {value!r}): dspark stores "
+                          "the model's DSpark drafter (mtp.*) in the bundle for `run --speculative-tokens K`")
+    return value
+
+
+def check_speculative_plan(compile_cfg: "CompileConfig", model_cfg: ModelConfig, target: str, tp: int = 1) -> None:
+    """ConfigError when compile_cfg.speculative cannot be served by this compile: DSpark needs the
+    model's DSpark stages (n_mtp_layers >= 1, dspark_target_layer_ids), and its verify runs on the
+    cpu target's staged chunk bucket (chunked_prefill) in one process (no --tp)."""
+    if compile_cfg.speculative == "none":
+        return
+    what = f"speculative {compile_cfg.speculative}"
+    if not model_cfg.n_mtp_layers or not model_cfg.dspark_target_layer_ids:
+        raise ConfigError(f"{what}: the model has no DSpark stages (n_mtp_layers = {model_cfg.n_mtp_layers}, "
+                          f"dspark_target_layer_ids = {list(model_cfg.dspark_target_layer_ids)})")
+    if target != "cpu":
+        raise ConfigError(f"{what}: the verify runs on the cpu target's staged chunk bucket; the neuron target has "
+                          "no chunk graph yet")
+    if not compile_cfg.chunked_prefill:
+        raise ConfigError(f"{what}: needs compile.chunked_prefill (the verify is a chunk of 1 + k tokens)")
+    if tp > 1:
+        raise ConfigError(f"{what} with --tp {tp}: the verify runs in one process; compile without --tp")
 
 
 def check_numerics(value: Any, where: str) -> str:

@@ -280,6 +280,9 @@ class ModelParts:
         placeholder of the model's shape and dtype, never read): a checkpoint file region, a
         deferred computation. Its shape is the weight's, its dtype the stored one (stored_dtypes,
         else the weight's); a narrowing source gives the bytes the model's tensor was cast from.
+    host_weights: names in `weights` that no executable takes, stored for the runtime's host-side
+        code alone (the DSpark drafter's mtp.* tensors, which the runtime runs eagerly); they leave
+        the executables' cache keys as they are.
     """
 
     steps: StepFactory
@@ -289,3 +292,4 @@ class ModelParts:
     stored_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     prepare: tuple[Prepare, ...] = ()
     sources: Mapping[str, Any] = field(default_factory=dict)
+    host_weights: tuple[str, ...] = ()

@@ -29,7 +29,7 @@ from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
-from .config import CompileConfig
+from .config import CompileConfig, check_speculative_plan
 from .export import CompileError, ModelParts, StageGraph, StepGraph
 from .parallel import Comm, check_shardable, shard_model
 from .placement import Parallel
@@ -159,11 +159,16 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     neuron models compute (the StableHLO checks run them eagerly), so there the bf16 -> fp32 casts
     and the wo_a dequantisation are made here, as before.
 
+    compile.speculative "dspark": the checkpoint's mtp.* tensors join the weights as host weights
+    (ModelParts.host_weights), stored from their checkpoint bytes for the runtime's eager drafter;
+    ConfigError when the plan cannot verify drafts (config.py check_speculative_plan).
+
     par, rank: the parts of rank `rank` of a sharded compile (par.tp > 1, cpu target only): its
     models are cut by compiler/parallel.py `shard_model` (their graphs call the collectives), its
     weights are its slices of the checkpoint tensors under their checkpoint names, read and
     dequantised here (a rank's share, not lazily). Raises UserError for a plan shard_model refuses.
     """
+    check_speculative_plan(compile_cfg, model_cfg, target, par.tp if par is not None else 1)
     path = checkpoint_for(model_cfg, compile_cfg, cache_dir)
     rows = engram_layout(model_cfg).num_embeddings if model_cfg.engram_layer_ids else ()
     mapped = map_checkpoint(path, model_cfg, rows)
@@ -214,12 +219,18 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
     sources: dict[str, Any] = {n: mapped.regions[n] for n in all_weights
                                if n in mapped.regions and weights.get(n) is mapped.tensors[n]}
     sources.update({n: src for n, src in (derived or {}).items() if n in all_weights})
+    host: tuple[str, ...] = ()
+    if compile_cfg.speculative == "dspark":  # the drafter's tensors as the checkpoint stores them
+        host = tuple(n for n in mapped.tensors if n.startswith("mtp."))
+        all_weights.update({n: mapped.tensors[n] for n in host})
+        sources.update({n: mapped.regions[n] for n in host})
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
     factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer,
                                 (par.tp, par.ep, rank) if sharded else None, compile_cfg.numerics)
     return ModelParts(factory, all_weights,
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
-                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources)
+                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources,
+                      host_weights=host)
 
 
 def _prepared_placeholders(recipes: list[Prepare], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

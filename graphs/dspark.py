@@ -299,9 +299,8 @@ class DSparkDrafter:
 
 
 def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
-    """The DSpark drafter of a checkpoint folder (validated, graphs/checkpoint.py), built on the main
-    model's embedding and head alone (no main layers: what a bundle's runtime needs beside its
-    executables). max_seq_len: the context capacity it drafts within. Raises CheckpointError /
+    """The DSpark drafter of a checkpoint folder (validated, graphs/checkpoint.py): `drafter_from_tensors`
+    on its tensors. max_seq_len: the context capacity it drafts within. Raises CheckpointError /
     ValueError as load_checkpoint and `DSpark.from_checkpoint`."""
     from pathlib import Path
 
@@ -309,12 +308,29 @@ def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafte
     from .engram import engram_layout
 
     ckpt = load_checkpoint(Path(checkpoint), cfg, engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ())
+    return drafter_from_tensors({n: t for n, t in ckpt.items() if n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS},
+                                cfg, max_seq_len)
+
+
+#: the main model's tensors the drafter reads besides its own mtp.*: the embedding and the head
+DRAFTER_MAIN_WEIGHTS = ("embed.weight", "head.weight")
+
+
+def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
+    """The DSpark drafter built on the main model's embedding and head alone (no main layers: what a
+    bundle's runtime needs beside its executables). tensors: checkpoint names and formats, every
+    `mtp.*` tensor plus `embed.weight` (bf16 [V, D]) and `head.weight` (bf16 or fp32 [V, D], held
+    fp32 as the reference promotes it), e.g. from a checkpoint or a bundle compiled with
+    `--speculative dspark`. Raises ValueError naming a missing or misshapen tensor
+    (`DSpark.from_checkpoint`)."""
+    missing = [n for n in DRAFTER_MAIN_WEIGHTS if n not in tensors]
+    if missing:
+        raise ValueError(f"DSpark drafter: no tensor {missing[0]!r} (the main model's {missing[0].split('.')[0]})")
     main = nn.Module()
     main.cfg = cfg
-    main.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=ckpt["embed.weight"], _freeze=True)
+    main.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=tensors["embed.weight"], _freeze=True)
     main.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
-    main.head.weight = nn.Parameter(ckpt["head.weight"].float(), requires_grad=False)
-    mtp = {n: t for n, t in ckpt.items() if n.startswith("mtp.")}
-    del ckpt
+    main.head.weight = nn.Parameter(tensors["head.weight"].float(), requires_grad=False)
+    mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
     with torch.inference_mode():
         return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len))

@@ -405,7 +405,8 @@ def test_verify_refuses_arguments_outside_its_contract(tokens, pos, count, layer
 def spec_runner(tmp_path_factory, micro_checkpoint):
     """micro compiled for the cpu target at batch 1, one prefill bucket of 16 tokens and a context
     capacity of 1024 (prefill, decode and chunk buckets; ~6-10 minutes on 2 cores), plus a decode
-    bucket of batch 4, whose head stage the verify reads its positions through."""
+    bucket of batch 4, whose head stage the verify reads its positions through; with the DSpark
+    drafter stored (`--speculative dspark`)."""
     import dataclasses
 
     from dsneuron.compiler.compile import build_steps_for_config, compile_bundle
@@ -414,7 +415,8 @@ def spec_runner(tmp_path_factory, micro_checkpoint):
 
     model_cfg, compile_cfg, _ = load_config("micro")
     compile_cfg = dataclasses.replace(compile_cfg, max_seq_len=1024, batch_sizes=(1,), prefill_seq_lens=(16,),
-                                      decode_context_lens=(1024,), decode_batch_sizes=(4,), checkpoint=str(micro_checkpoint))
+                                      decode_context_lens=(1024,), decode_batch_sizes=(4,), checkpoint=str(micro_checkpoint),
+                                      speculative="dspark")
     root = tmp_path_factory.mktemp("micro_spec")
     parts = build_steps_for_config(model_cfg, compile_cfg, root / "cache")
     return Runner.load(compile_bundle(model_cfg, compile_cfg, root / "bundle", parts, cache_dir=root / "cache"))
@@ -440,10 +442,11 @@ def _same_runner_state(a, b) -> list[str]:
 @pytest.mark.slow
 def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden, micro_checkpoint):
     """On the compiled cpu target: the verify is the chunk bucket read at every position; with the
-    oracle wrong at each draft position (and never) and with the real DSpark drafter, 20 greedy
-    tokens, their logits, the state and the engram history equal plain decoding's bit for bit."""
+    oracle wrong at each draft position (and never), with the real DSpark drafter of the checkpoint
+    and with the one the bundle stores (`--speculative dspark`), 20 greedy tokens, their logits, the
+    state and the engram history equal plain decoding's bit for bit; both DSparks draft the same."""
     from dsneuron.graphs.checkpoint import load_checkpoint
-    from dsneuron.graphs.dspark import DSpark, DSparkDrafter
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, DSpark, DSparkDrafter, drafter_from_tensors
     from dsneuron.graphs.engram import engram_layout
 
     prompt, n = PROMPT + [7, 8, 9], 20
@@ -453,7 +456,11 @@ def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden,
     ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
     dspark = DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {k: t for k, t in ckpt.items() if k.startswith("mtp.")},
                                                   1024))
-    drafters = [OracleDrafter(prompt + tokens, [w], cfg.vocab_size) for w in (0, 1, 2, None)] + [dspark]
+    assert spec_runner.bundle.speculative == "dspark"
+    stored = spec_runner.bundle.stored_tensors(lambda name: name.startswith("mtp.") or name in DRAFTER_MAIN_WEIGHTS)
+    assert sorted(n_ for n_ in stored if n_.startswith("mtp.")) == sorted(k for k in ckpt if k.startswith("mtp."))
+    bundled = drafter_from_tensors(stored, cfg, 1024)
+    drafters = [OracleDrafter(prompt + tokens, [w], cfg.vocab_size) for w in (0, 1, 2, None)] + [dspark, bundled]
     for i, drafter in enumerate(drafters):
         res = sp.generate(target, drafter, [prompt], n, K)
         assert res.tokens[0] == tokens, i
@@ -461,6 +468,23 @@ def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden,
         assert not _same_runner_state(res.state, state), (i, _same_runner_state(res.state, state))
         if i == 3:
             assert res.stats.mean_acceptance > 3  # the oracle never wrong: 1 + 3 tokens a step
+        if i == 4:
+            from_checkpoint = res.stats
+    assert res.stats.accepted == from_checkpoint.accepted and res.stats.proposed == from_checkpoint.proposed
+
+
+@pytest.mark.slow
+def test_run_speculative_tokens_with_the_bundles_drafter_prints_the_plain_text(spec_runner, monkeypatch, capsys):
+    """`dsneuron run B --speculative-tokens 3` on a bundle compiled with `--speculative dspark`
+    (no --draft-checkpoint): the plain run's text, and --stats reports the verify steps."""
+    from stand_in import run_cli
+
+    args = ("run", str(spec_runner.bundle.root), "--prompt", "Hello there, how are you", "--max-new-tokens", "12")
+    assert run_cli(monkeypatch, *args) == 0
+    plain = capsys.readouterr().out
+    assert run_cli(monkeypatch, *args, "--speculative-tokens", "3", "--stats") == 0
+    got = capsys.readouterr()
+    assert got.out == plain and "verify steps, mean acceptance length" in got.err
 
 
 @pytest.mark.slow
@@ -480,21 +504,125 @@ def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state
 
 
 def test_run_refuses_bad_speculation_flags_before_loading(monkeypatch, capsys, tmp_path):
-    """`run --speculative-tokens`: negative, or without --draft-checkpoint / with --prompts-file,
-    and --draft-checkpoint without it, exit 2 naming the problem (before any bundle is read)."""
+    """`run --speculative-tokens`: negative, or with --prompts-file, and --draft-checkpoint without
+    it, exit 2 naming the problem (before any bundle is read)."""
     from stand_in import run_cli
 
     assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "-1") == 2
     assert "--speculative-tokens must be >= 0" in capsys.readouterr().err
-    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--speculative-tokens", "2") == 2
-    assert "needs --draft-checkpoint" in capsys.readouterr().err
     prompts = tmp_path / "p.txt"
     prompts.write_text("a\n")
-    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompts-file", str(prompts), "--speculative-tokens", "2",
-                   "--draft-checkpoint", str(tmp_path)) == 2
+    assert run_cli(monkeypatch, "run", str(tmp_path), "--prompts-file", str(prompts), "--speculative-tokens", "2") == 2
     assert "one --prompt" in capsys.readouterr().err
     assert run_cli(monkeypatch, "run", str(tmp_path), "--prompt", "hi", "--draft-checkpoint", str(tmp_path)) == 2
     assert "--draft-checkpoint is used only with --speculative-tokens" in capsys.readouterr().err
+
+
+def test_run_speculation_on_a_bundle_without_a_drafter_names_the_compile_flag(monkeypatch, capsys, micro_bundle):
+    """A bundle compiled without `--speculative dspark` and no --draft-checkpoint: exit 2 naming
+    both ways to give the drafter's weights."""
+    from stand_in import run_cli
+
+    assert run_cli(monkeypatch, "run", str(micro_bundle.path), "--prompt", "hi", "--speculative-tokens", "2") == 2
+    err = capsys.readouterr().err
+    assert "carries no drafter" in err and "--speculative dspark" in err and "--draft-checkpoint" in err
+
+
+# ----------------------------------------------------------------------------------------- compile --speculative
+def test_compile_config_speculative_values():
+    """compile.speculative: none (left out of the manifest's compile_config) or dspark; anything
+    else a ConfigError naming the key and the choices."""
+    from dsneuron.compiler.config import CompileConfig
+    from dsneuron.graphs.config import ConfigError
+
+    base = {"max_seq_len": 64, "batch_sizes": [1], "prefill_seq_lens": [16], "decode_context_lens": [64]}
+    assert "speculative" not in CompileConfig.from_dict(base).to_dict()
+    assert CompileConfig.from_dict({**base, "speculative": "dspark"}).to_dict()["speculative"] == "dspark"
+    with pytest.raises(ConfigError, match=r"compile.speculative: must be one of none, dspark \(got 'mtp'\)"):
+        CompileConfig.from_dict({**base, "speculative": "mtp"})
+
+
+def test_speculative_plan_refusals(micro_cfg):
+    """`--speculative dspark` needs the model's DSpark stages, the cpu target, the chunk bucket and
+    one process: each refusal a ConfigError naming what is missing."""
+    import dataclasses
+
+    from dsneuron.compiler.config import check_speculative_plan, load_config
+    from dsneuron.graphs.config import ConfigError
+
+    cc = dataclasses.replace(load_config("micro")[1], speculative="dspark")
+    check_speculative_plan(cc, micro_cfg, "cpu")  # fine
+    check_speculative_plan(dataclasses.replace(cc, speculative="none"), micro_cfg, "neuron", tp=2)  # nothing asked
+    no_mtp = dataclasses.replace(micro_cfg, n_mtp_layers=0)
+    for args, msg in [((cc, no_mtp, "cpu"), "the model has no DSpark stages"),
+                      ((cc, micro_cfg, "neuron"), "the neuron target has no chunk graph"),
+                      ((dataclasses.replace(cc, chunked_prefill=False), micro_cfg, "cpu"), "needs compile.chunked_prefill"),
+                      ((cc, micro_cfg, "cpu", 2), "with --tp 2")]:
+        with pytest.raises(ConfigError, match=msg):
+            check_speculative_plan(*args)
+
+
+def test_compile_refuses_bad_speculative_flags_before_reading(monkeypatch, capsys, tmp_path):
+    """`compile --speculative`: an unknown method, or dspark on the neuron target, exit 2 before any
+    checkpoint is made; nothing is written."""
+    from stand_in import run_cli
+
+    out = tmp_path / "b"
+    assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "eagle", "--out", str(out)) == 2
+    assert "--speculative: must be one of none, dspark" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "dspark", "--target", "neuron",
+                   "--stablehlo-only", "--out", str(out)) == 2
+    assert "no chunk graph" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_model_parts_store_the_drafter_without_touching_the_executables_keys(micro_checkpoint):
+    """build_model_parts with speculative dspark: every mtp.* tensor of the checkpoint is a host
+    weight, stored from its checkpoint bytes (a file region source), and the weights digest the
+    executables' cache keys use is the plain compile's (so a speculative compile reuses them)."""
+    import dataclasses
+
+    from dsneuron.compiler.compile import _weights_digest
+    from dsneuron.compiler.config import load_config
+    from dsneuron.compiler.model_steps import build_model_parts
+    from dsneuron.graphs.checkpoint import map_checkpoint
+    from dsneuron.graphs.engram import engram_layout
+
+    model_cfg, cc, _ = load_config("micro")
+    cc = dataclasses.replace(cc, checkpoint=str(micro_checkpoint))
+    plain = build_model_parts(model_cfg, cc)
+    spec = build_model_parts(model_cfg, dataclasses.replace(cc, speculative="dspark"))
+    mtp = sorted(n for n in map_checkpoint(micro_checkpoint, model_cfg,
+                                                   engram_layout(model_cfg).num_embeddings).tensors if n.startswith("mtp."))
+    assert mtp and sorted(spec.host_weights) == mtp and not plain.host_weights
+    assert all(n in spec.sources and n in spec.weights for n in mtp)
+    assert set(spec.weights) - set(plain.weights) == set(mtp)
+    host = set(spec.host_weights)
+    assert _weights_digest({n: t for n, t in spec.weights.items() if n not in host}) == _weights_digest(plain.weights)
+
+
+def test_drafter_from_tensors_is_the_checkpoints_drafter(micro_golden, micro_checkpoint, drafter):
+    """The drafter built from the mtp.* tensors plus the embedding and head (what a bundle stores)
+    drafts exactly what the checkpoint's does; a missing main tensor is a ValueError naming it."""
+    from golden_target import GoldenTarget
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors
+    from dsneuron.graphs.engram import engram_layout
+
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    tensors = {n: t for n, t in ckpt.items() if n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS}
+    mine = drafter_from_tensors(tensors, cfg, micro_golden.max_seq_len)
+    v = GoldenTarget(micro_golden).prefill([PROMPT])
+    start, count = torch.tensor([0]), v.count
+    a = drafter.seed(drafter.start(1), v.main_hidden, start, count)
+    b = mine.seed(mine.start(1), v.main_hidden, start, count)
+    x, pos = v.logits[:, -1].argmax(-1), count - 1
+    da, _ = drafter.propose(a, x, pos, K, 0.0, None)
+    db, _ = mine.propose(b, x, pos, K, 0.0, None)
+    assert torch.equal(da, db)
+    with pytest.raises(ValueError, match="no tensor 'head.weight'"):
+        drafter_from_tensors({n: t for n, t in tensors.items() if n != "head.weight"}, cfg, 64)
 
 
 @pytest.mark.slow

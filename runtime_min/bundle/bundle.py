@@ -38,7 +38,7 @@ import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -229,6 +229,22 @@ class Bundle:
                 if missing:
                     raise BundleError(f"{what}: has no tensor {missing[0]!r}, which {file} takes")
         return weights
+
+    def stored_tensors(self, want: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+        """The tensors of the weights file(s) whose names `want` accepts, as stored (checkpoint dtypes:
+        no load cast, view or prepare recipe applied), each a view of a memory map of its file: what
+        host-side code reads, e.g. the DSpark drafter of a bundle compiled with `--speculative
+        dspark` (its mtp.* tensors, the embedding and the head)."""
+        out: dict[str, torch.Tensor] = {}
+        for rel in self.manifest.weights_files:
+            with safe_open(str(self.root / rel), framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in f.keys() if want(n)})
+        return out
+
+    @property
+    def speculative(self) -> str:
+        """The drafter the bundle carries (compile's `--speculative`): "none" or "dspark"."""
+        return self.manifest.compile_config.get("speculative", "none")
 
     def _loaded(self, f: Any, name: str) -> torch.Tensor:
         """Tensor `name` of the open safetensors file `f`, with its manifest load cast, then view."""
