@@ -281,12 +281,9 @@ def run_cmd(
         raise UserError("give exactly one of --prompt TEXT and --prompts-file FILE")
     # the checks that need no bundle come before its load (seconds for a large one)
     check_generation(max_new_tokens, temperature, top_p, seed, names=RUN_FLAGS)
-    if speculative_tokens < 0:
-        raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
+    _check_speculation_flags(speculative_tokens, draft_checkpoint)
     if speculative_tokens and prompt is None:
         raise UserError("--speculative-tokens runs one --prompt (not --prompts-file)")
-    if draft_checkpoint is not None and not speculative_tokens:
-        raise UserError("--draft-checkpoint is used only with --speculative-tokens K (K >= 1 drafts a verify)")
     if speculative_tokens:
         _run_speculative(bundle, verify_key, prompt, max_new_tokens, temperature, top_p, seed, stats,
                          speculative_tokens, draft_checkpoint)
@@ -317,28 +314,10 @@ def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_
     own (`compile --speculative dspark`), or `draft_checkpoint`'s mtp.* when given."""
     import time
 
-    from dsneuron.graphs.config import ModelConfig
-    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors, load_drafter
-    from dsneuron.runtime_min.bundle.schema import BundleError
     from dsneuron.runtime_min.session import Session
 
     session = Session.load(bundle, verify_key)
-    cfg = ModelConfig.from_dict(session.manifest.model_config)
-    if not cfg.n_mtp_layers:
-        raise UserError(f"{bundle}: the model has no DSpark stages (n_mtp_layers = 0)")
-    if not 1 <= k <= cfg.dspark_block_size:
-        raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
-    if draft_checkpoint is not None:
-        drafter = load_drafter(draft_checkpoint, cfg, session.max_capacity)
-    elif session.runner.bundle.speculative == "dspark":
-        tensors = session.runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
-        try:
-            drafter = drafter_from_tensors(tensors, cfg, session.max_capacity)
-        except ValueError as e:
-            raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
-    else:
-        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
-                        "give --draft-checkpoint CKPT")
+    drafter = _drafter(bundle, session, k, draft_checkpoint)
     t0 = time.perf_counter()
     text, spec = session.generate_speculative(prompt, max_new_tokens, drafter, k, temperature, top_p, seed)
     seconds = time.perf_counter() - t0
@@ -349,6 +328,40 @@ def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_
                          f"{spec.mean_acceptance:.2f} tokens a step (draft j kept/offered: {per}); verify "
                          f"{spec.verify_seconds:.3f} s, replay {spec.replay_seconds:.3f} s ({spec.replays} steps), drafter "
                          f"{spec.draft_seconds:.3f} s (eager); total {seconds:.3f} s")
+
+
+def _check_speculation_flags(speculative_tokens: int, draft_checkpoint: Optional[Path]) -> None:
+    """run's and serve's --speculative-tokens / --draft-checkpoint, before any bundle is read."""
+    if speculative_tokens < 0:
+        raise UserError(f"--speculative-tokens must be >= 0 (0 = off), got {speculative_tokens}")
+    if draft_checkpoint is not None and not speculative_tokens:
+        raise UserError("--draft-checkpoint is used only with --speculative-tokens K (K >= 1 drafts a verify)")
+
+
+def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
+    """The DSpark drafter (graphs/dspark.py, eager) for `run`/`serve --speculative-tokens k` on a loaded
+    session: from `draft_checkpoint`'s mtp.* when given, else from the bundle's own (`compile
+    --speculative dspark`). UserError for a model without DSpark stages, k outside 1..block, a bundle
+    that carries no drafter; BundleError for a stored drafter that does not load."""
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors, load_drafter
+    from dsneuron.runtime_min.bundle.schema import BundleError
+
+    cfg = ModelConfig.from_dict(session.manifest.model_config)
+    if not cfg.n_mtp_layers:
+        raise UserError(f"{bundle}: the model has no DSpark stages (n_mtp_layers = 0)")
+    if not 1 <= k <= cfg.dspark_block_size:
+        raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
+    if draft_checkpoint is not None:
+        return load_drafter(draft_checkpoint, cfg, session.max_capacity)
+    if session.runner.bundle.speculative != "dspark":
+        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
+                        "give --draft-checkpoint CKPT")
+    tensors = session.runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
+    try:
+        return drafter_from_tensors(tensors, cfg, session.max_capacity)
+    except ValueError as e:
+        raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
 
 
 def _print(stream: str, text: str) -> None:
@@ -442,6 +455,14 @@ def serve_cmd(
     prefix_cache_gib: float = typer.Option(
         PREFIX_CACHE_GIB, "--prefix-cache-gib", help="GiB of prefix-cache snapshots kept (least recently used evicted "
                                                      "first); 0 turns the cache off"),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
+                                           help="draft this many tokens a step with DSpark for every request and verify "
+                                                "them in one chunk call (0 = off; at most the model's "
+                                                "dspark_block_size; a cpu bundle compiled with --speculative dspark, or "
+                                                "--draft-checkpoint)"),
+    draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
+                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
+                                                         "instead of the bundle's own (eager, not compiled)"),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -465,6 +486,7 @@ def serve_cmd(
     name = served_model_name if served_model_name is not None else Path(bundle).absolute().name
     if not name:
         raise UserError("--served-model-name is empty")
+    _check_speculation_flags(speculative_tokens, draft_checkpoint)
     job = {"host": host, "port": port, "max_queue": max_queue, "api_key": api_key, "model_name": name,
            "grace": grace_period, "limits": limits, "prefix_cache_bytes": int(prefix_cache_gib * 2**30)}
     sharded = read_sharded(bundle)
@@ -473,8 +495,16 @@ def serve_cmd(
         from dsneuron.runtime_min.session import Session
 
         sock = listen(host, port)  # before the load, which can take minutes: a taken port fails at once
-        serve_job(Session.load(bundle, verify_key), _print, sock=sock, **job)
+        session = Session.load(bundle, verify_key)
+        if speculative_tokens:
+            from dsneuron.runtime_min.core.speculative import Speculation
+
+            job["speculation"] = Speculation(_drafter(bundle, session, speculative_tokens, draft_checkpoint),
+                                             speculative_tokens)
+        serve_job(session, _print, sock=sock, **job)
         return
+    if speculative_tokens:
+        raise UserError("--speculative-tokens: a sharded bundle (--tp) does not speculate; serve a one-process bundle")
     from dsneuron.runtime_min.sharded import launch
 
     launch(bundle, sharded, serve_job, job, _print, verify_key, term_to_rank0=True)

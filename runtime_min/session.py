@@ -122,9 +122,11 @@ class Session:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def scheduler(self, max_queue: int | None = None, stats: GenerationStats | None = None,
-                  prefix_cache: PrefixCache | None = None) -> Scheduler:
-        """A Scheduler over this session's runner, detokenizing with `decode` (prefix_cache: Scheduler's)."""
-        return Scheduler(self.runner, self.decode, max_queue=max_queue, stats=stats, prefix_cache=prefix_cache)
+                  prefix_cache: PrefixCache | None = None, speculation=None) -> Scheduler:
+        """A Scheduler over this session's runner, detokenizing with `decode` (prefix_cache,
+        speculation: Scheduler's)."""
+        return Scheduler(self.runner, self.decode, max_queue=max_queue, stats=stats, prefix_cache=prefix_cache,
+                         speculation=speculation)
 
     def generate(self, prompts: str | Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None,

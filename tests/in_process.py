@@ -34,10 +34,12 @@ class Script:
 
 
 @contextmanager
-def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_bytes: int = 0, **limits):
+def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_bytes: int = 0, speculation=None,
+           **limits):
     """An in-process server of `session` (127.0.0.1, a free port; `limits`: runtime_min/serving/server.py
-    Limits fields; prefix_cache_bytes: its prefix cache, 0 for none) whose requests sample `script`
-    (when given), `delay` seconds a token; yields (base URL, the Requests it queued)."""
+    Limits fields; prefix_cache_bytes: its prefix cache, 0 for none; speculation: the scheduler's,
+    runtime_min/core/speculative.py) whose requests sample `script` (when given), `delay` seconds a
+    token; yields (base URL, the Requests it queued)."""
     from dsneuron.runtime_min.serving.engine import Engine
     from dsneuron.runtime_min.serving.server import Limits, create_app
 
@@ -49,7 +51,7 @@ def served(session, script: str | None = None, delay: float = 0.0, prefix_cache_
             ids = None if script is None else session.tokenizer.encode(script, add_special_tokens=False).ids
             r.constraint = Script(ids, session.manifest.tokenizer.eos_token_id, session.vocab_size, delay)
 
-    engine = Engine(session, 8, prefix_cache_bytes=prefix_cache_bytes)
+    engine = Engine(session, 8, prefix_cache_bytes=prefix_cache_bytes, speculation=speculation)
     app = create_app(engine, "bundle", limits=Limits(**limits), request_hook=hook)
     with running(engine, app) as url:
         yield url, seen

@@ -454,6 +454,9 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(bundle):
     (["--prefix-cache-gib", "-1"], "--prefix-cache-gib must be in 0..4096"),
     (["--prefix-cache-gib", "nan"], "--prefix-cache-gib must be in 0..4096"),
     (["--prefix-cache-gib", "1e9"], "--prefix-cache-gib must be in 0..4096"),
+    (["--speculative-tokens", "-1"], "--speculative-tokens must be >= 0"),
+    (["--draft-checkpoint", "ckpt"], "--draft-checkpoint is used only with --speculative-tokens"),
+    (["--port", "0", "--speculative-tokens", "2"], "carries no drafter; compile it with --speculative dspark"),
 ])
 def test_bad_serve_flags_exit_2(bundle, flags, words):
     cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "serve", str(bundle), *flags]

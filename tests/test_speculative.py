@@ -664,3 +664,137 @@ def test_rejection_sampling_on_micro_keeps_the_models_distribution(micro_golden,
     assert len(bins_c) >= 3 and bins_p[-1] * 3000 >= 5
     assert _chi2(bins_c, bins_p) < CHI2[len(bins_c) - 1]
     assert _chi2(*binned(naive)) > CHI2[len(bins_c) - 1]
+
+
+# ----------------------------------------------------------------------------------------- the scheduler (slow)
+class LookupOracle:
+    """TEST-ONLY drafter for the scheduler, whose rows run one at a time: proposes the continuation
+    of whichever of `seqs` (prompt + plain greedy tokens, one per request) holds `token` at the fed
+    position, with draft `wrong_at` replaced by a wrong token (None: never wrong); zeros when none
+    does. Sampled, its q is one-hot at its drafts (a deterministic proposal)."""
+
+    block = K
+
+    def __init__(self, seqs: list[list[int]], wrong_at: int | None, vocab: int):
+        self.seqs, self.wrong_at, self.vocab = seqs, wrong_at, vocab
+
+    def start(self, batch):
+        return None
+
+    def seed(self, cache, main_hidden, start, count):
+        return None
+
+    def propose(self, cache, token, pos, k, temperature, generator):
+        p, t = int(pos[0]) + 1, int(token[0])
+        out = torch.zeros(1, k, dtype=torch.int64)
+        for seq in self.seqs:
+            if p < len(seq) and seq[p] == t:
+                for j in range(k):
+                    d = seq[min(p + 1 + j, len(seq) - 1)]
+                    out[0, j] = (d + 1) % self.vocab if j == self.wrong_at else d
+                break
+        if temperature == 0.0:
+            return out, None
+        # a deterministic proposal: q puts all its mass on the draft
+        return out, torch.zeros(1, k, self.vocab, dtype=torch.float64).scatter_(2, out.unsqueeze(-1), 1.0)
+
+
+def _scheduled(session, prompts, speculation=None, prefix_cache=None, **kw):
+    """Every prompt through one scheduler at once -> [(generated ids, text, finish_reason)]."""
+    from dsneuron.runtime_min.core.scheduler import Request
+
+    sch = session.scheduler(speculation=speculation, prefix_cache=prefix_cache)
+    reqs = [sch.submit(Request(session.encode(p), max_tokens=m, **kw)) for p, m in prompts]
+    sch.run()
+    return [(r.generated, r.text, r.finish_reason) for r in reqs]
+
+
+SCHED_PROMPTS = [("Hello there", 9), ("The quick brown fox jumps", 12), ("a", 7), ("Once upon a time, far away", 10)]
+
+
+@pytest.mark.slow
+def test_scheduler_speculation_gives_the_plain_schedulers_output(spec_runner):
+    """Four requests at once through the scheduler with speculation (the bundle's own DSpark drafter,
+    the TEST-ONLY lookup oracle always right and wrong at draft 1): each request's tokens, text and
+    finish reason are the plain scheduler's; the oracle's steps keep drafts (mean acceptance length
+    above 2), DSpark's random weights keep none. A stop string ends a request at the same text."""
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors
+    from dsneuron.runtime_min.core.speculative import Speculation
+    from dsneuron.runtime_min.session import Session
+
+    session = Session(spec_runner)
+    plain = _scheduled(session, SCHED_PROMPTS)
+    cfg = ModelConfig.from_dict(spec_runner.manifest.model_config)
+    stored = spec_runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
+    seqs = [session.encode(p) + g for (p, _), (g, _, _) in zip(SCHED_PROMPTS, plain)]
+    for drafter in (drafter_from_tensors(stored, cfg, 1024), LookupOracle(seqs, None, spec_runner.vocab_size),
+                    LookupOracle(seqs, 1, spec_runner.vocab_size)):
+        spec = Speculation(drafter, K)
+        assert _scheduled(session, SCHED_PROMPTS, spec) == plain, type(drafter).__name__
+        assert spec.counts.steps > 0
+        if isinstance(drafter, LookupOracle) and drafter.wrong_at is None:
+            assert spec.counts.mean_length > 2
+    text = plain[1][1]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    want = _scheduled(session, [SCHED_PROMPTS[1]], stop=[stop])
+    assert want[0][2] == "stop"
+    assert _scheduled(session, [SCHED_PROMPTS[1]], Speculation(LookupOracle(seqs, None, spec_runner.vocab_size), K),
+                      stop=[stop]) == want
+
+
+@pytest.mark.slow
+def test_scheduler_speculation_with_the_prefix_cache_and_sampling(spec_runner):
+    """With speculation: a prompt sent again starts from its prefix-cache snapshot (a fresh drafter
+    ring) and gives the same greedy tokens; seeded sampled requests run to max_tokens and are
+    reproducible from their seeds."""
+    from dsneuron.runtime_min.core.prefix_cache import PrefixCache
+    from dsneuron.runtime_min.core.speculative import Speculation
+    from dsneuron.runtime_min.session import Session
+
+    session = Session(spec_runner)
+    plain = _scheduled(session, SCHED_PROMPTS[:2])
+    seqs = [session.encode(p) + g for (p, _), (g, _, _) in zip(SCHED_PROMPTS, plain)]
+    cache = PrefixCache(1 << 30)
+    spec = Speculation(LookupOracle(seqs, 2, spec_runner.vocab_size), K)
+    assert _scheduled(session, SCHED_PROMPTS[:2], spec, cache) == plain
+    assert _scheduled(session, SCHED_PROMPTS[:2], spec, cache) == plain
+    assert cache.stats()["hits"] >= 2
+    sampled = [_scheduled(session, SCHED_PROMPTS, Speculation(LookupOracle(seqs, None, spec_runner.vocab_size), K),
+                          temperature=0.8, seed=7) for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    assert [len(g) for g, _, reason in sampled[0] if reason == "length"] == [m for _, m in SCHED_PROMPTS]
+
+
+@pytest.mark.slow
+def test_served_speculation_with_the_openai_client(spec_runner):
+    """`serve --speculative-tokens 3` as a client meets it: the openai package over 127.0.0.1, a greedy
+    chat and a streamed completion give the plain server's text, and /metrics counts the verify
+    steps (acceptance-length histogram, drafts offered and kept per position)."""
+    import urllib.request
+
+    import openai
+    from in_process import TIMEOUT, served
+
+    from dsneuron.runtime_min.core.speculative import Speculation
+    from dsneuron.runtime_min.session import Session
+
+    session = Session(spec_runner)
+    seqs = [session.encode(p) + g for (p, _), (g, _, _) in zip(SCHED_PROMPTS, _scheduled(session, SCHED_PROMPTS))]
+    got = []
+    for speculation in (None, Speculation(LookupOracle(seqs, None, spec_runner.vocab_size), K)):
+        with served(session, speculation=speculation) as (url, _):
+            client = openai.OpenAI(base_url=url, api_key="x", timeout=TIMEOUT, max_retries=0)
+            chat = client.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "Hi there"}],
+                                                  max_tokens=12, temperature=0)
+            stream = client.completions.create(model="bundle", prompt="Once upon a time", max_tokens=10, stream=True,
+                                               temperature=0)
+            got.append((chat.choices[0].message.content, "".join(c.choices[0].text for c in stream)))
+            metrics = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=TIMEOUT).read().decode()
+            if speculation is not None:
+                assert "dsneuron_spec_decode_acceptance_length_count" in metrics
+                count = float(metrics.split("dsneuron_spec_decode_acceptance_length_count ")[1].split()[0])
+                assert count >= 2 and 'dsneuron_spec_decode_draft_tokens_total{position="0"}' in metrics
+            else:
+                assert "dsneuron_spec_decode" not in metrics
+    assert got[0] == got[1]

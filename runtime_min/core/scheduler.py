@@ -38,6 +38,19 @@ resends). The output is the request's without the cache, bit for bit: a state ro
 is the same whichever steps produced it (graphs/model.py, one layout for prefill, chunk and
 decode; tests/test_model.py).
 
+Speculative decoding (`speculation`, runtime_min/core/speculative.py): each running request keeps
+its own one-row state and drafter cache (`SpecRow`) instead of a row of the batch state. Step 3
+becomes, per request: the drafter proposes up to k tokens after its last sampled one, one verify
+call (the chunk bucket of batch 1, bit-identical to that many decode steps) feeds the token and the
+drafts, greedy acceptance or rejection sampling keeps a prefix of them plus one token of its own,
+and the state returns exactly to the kept position (`RunnerTarget.commit`). The tokens are then
+accepted one by one as a decode step's are, so stop strings, EOS and max_tokens end a request at
+the same token. A prompt that fits a prefill bucket runs the plain prefill call, tapped, and
+seeds the drafter's ring from it; one that runs as chunks or starts from a prefix snapshot drafts
+without its prompt's ring (fewer drafts kept, the same output). A request with a constraint (a
+grammar's mask) offers no drafts: its verify is one token, sampled under the mask. Greedy output
+is the plain scheduler's bit for bit; sampled output has the same distribution, not the same draws.
+
 Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
 (same batch bucket, its own padded length); a decode row reads and writes only its own state
 row; the cpu target's kernels have a fixed order of operations whatever the batch and row
@@ -73,7 +86,8 @@ from . import select
 from .checks import ParamError, check_generation
 from .prefix_cache import PrefixCache
 from .runner import PrefillJob, Runner, State
-from .sampling import sample
+from .sampling import probabilities, sample
+from .speculative import RunnerTarget, SpecRow, Speculation, accept_greedy, accept_sampled
 
 #: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
 MAX_STOP = 4
@@ -201,6 +215,7 @@ class Request:
         self._pending = ""  # final text held back: it may be the start of a stop string
         self._job: PrefillJob | None = None  # while the prompt is prefilled
         self._fed = 0  # tokens its state row holds: the prompt, then one more per decode step
+        self._spec: SpecRow | None = None  # its own state and drafter cache, when the scheduler speculates
 
     @property
     def finished(self) -> bool:
@@ -238,11 +253,15 @@ class Scheduler:
     streamed text and stop strings; max_queue: waiting requests at most (None: no bound, for a
     caller that submits a known list); stats: a GenerationStats that the steps add their times to
     (Session.generate's last_stats); prefix_cache: where prompts start from the state after their
-    longest cached prefix and leave snapshots (module docstring, "Prefix cache"); None: no cache.
+    longest cached prefix and leave snapshots (module docstring, "Prefix cache"); None: no cache;
+    speculation: draft and verify every request's tokens (module docstring, "Speculative
+    decoding"); None: one token a decode step. Raises UserError for a max_queue below 1, ValueError
+    for speculation on a bundle whose model has no DSpark target layers.
     """
 
     def __init__(self, runner: Runner, detokenize: Callable[[list[int]], str], max_queue: int | None = None,
-                 stats: GenerationStats | None = None, prefix_cache: PrefixCache | None = None):
+                 stats: GenerationStats | None = None, prefix_cache: PrefixCache | None = None,
+                 speculation: Speculation | None = None):
         if max_queue is not None and max_queue < 1:
             raise UserError(f"max_queue must be a positive integer, got {max_queue}")
         self.runner = runner
@@ -250,6 +269,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.stats = stats
         self.prefix_cache = prefix_cache
+        self.speculation = speculation
+        self._target = RunnerTarget(runner) if speculation is not None else None
         self.max_rows = max(runner.decode_batches)
         self.vocab_size = runner.vocab_size
         self._lock = threading.Lock()
@@ -337,7 +358,10 @@ class Scheduler:
         self._reap()
         self._admit()
         if self._running:
-            self._decode()
+            if self.speculation is not None:
+                self._decode_speculative()
+            else:
+                self._decode()
         if not self.busy:
             self.wake.clear()
 
@@ -390,6 +414,9 @@ class Scheduler:
                 if hit is not None and hit[0] == len(ids):
                     self._start_row(r, hit[1].logits[None], self.runner.restore(hit[1]))
                     return
+                if self.speculation is not None and hit is None and not self.runner.needs_chunks(len(ids)):
+                    self._prefill_seeding(r, t0)
+                    return
                 r._job = self.runner.prefill_job(ids, prefix=hit)
             done = r._job.step()
         except BaseException as e:
@@ -409,12 +436,36 @@ class Scheduler:
         r._job = None  # its state is copied into the row: not kept twice
         self._start_row(r, prefilled.logits[:1], prefilled.state)
 
-    def _start_row(self, r: Request, logits: torch.Tensor, state: State) -> None:
+    def _prefill_seeding(self, r: Request, t0: float) -> None:
+        """Speculation's prefill of a prompt that fits a prefill bucket: the same call as the plain
+        one, tapped (Runner.verify_prefill: the logits and main_hidden at every position, the same
+        bits), main_hidden seeding the drafter's cache of the row."""
+        ids, spec = r.prompt_ids, self.speculation
+        try:
+            v = self._target.prefill([ids])
+            cache = spec.drafter.seed(spec.drafter.start(1), v.main_hidden[:1], torch.zeros(1, dtype=torch.int64),
+                                      v.count[:1])
+        except BaseException as e:
+            self._end(r, "error", f"{type(e).__name__}: {e}")
+            raise
+        logits = v.logits[:1, len(ids) - 1]
+        self._keep(ids, v.state, 0, logits)
+        if self.stats is not None:
+            self.stats.prefill_s += time.perf_counter() - t0
+        self._start_row(r, logits, v.state, cache)
+
+    def _start_row(self, r: Request, logits: torch.Tensor, state: State, cache=None) -> None:
         """r's prompt is fed (its last token's logits [1, V], its state in row 0 of `state`): its
-        first token, then, unless that ended it, row 0 of `state` into the next free row."""
+        first token, then, unless that ended it, row 0 of `state` into the next free row (when
+        speculating: into the request's own SpecRow, with the drafter's `cache` of it, or a fresh
+        one: a prompt that ran as chunks or from a prefix snapshot drafts without its prompt's ring)."""
         r._fed = len(r.prompt_ids)
         self._accept(r, int(sample(logits, r.temperature, r.top_p, r._generator, r._allowed())[0]))
-        if not r.finished:
+        if not r.finished and self.speculation is not None:
+            d = self.speculation.drafter
+            r._spec = SpecRow(self.runner.fit_rows(state, 1), d.start(1) if cache is None else cache, list(r.prompt_ids))
+            self._running.append(r)
+        elif not r.finished:
             n = len(self._running)
             rows = select.first_fit(self.runner.decode_batches, n + 1)
             self._state = self.runner.place_row(self._state, n, state, rows)
@@ -455,9 +506,61 @@ class Scheduler:
         for r in [r for r in self._running if r.finished]:
             self._free(r)
 
+    def _decode_speculative(self) -> None:
+        """Step 3 with speculation (module docstring): per running request, one verify call of its
+        token and its drafts (none for a request with a constraint, whose mask the drafts would
+        bypass, nor past max_tokens), its kept tokens accepted one by one until one ends it."""
+        spec = self.speculation
+        t0, emitted = time.perf_counter(), 0
+        for r in list(self._running):
+            row = r._spec
+            last = len(row.fed) - 1  # the position of the last token the state holds
+            n = 0 if r.constraint is not None else max(0, min(spec.k, r.max_tokens - len(r.generated) - 1))
+            token = torch.tensor([r.generated[-1]])
+            try:
+                drafts, q = (spec.drafter.propose(row.cache, token, torch.tensor([last]), n, r.temperature, r._generator)
+                             if n else (torch.zeros(1, 0, dtype=torch.int64), None))
+                v = self._target.verify(torch.cat([token.view(1, 1), drafts[:, :n]], dim=1), torch.tensor([last + 1]),
+                                        torch.tensor([1 + n]), row.state)
+                lg = v.logits[0, :n + 1]
+                if n == 0:
+                    a, nxt = 0, int(sample(lg[:1], r.temperature, r.top_p, r._generator, r._allowed())[0])
+                elif r.temperature == 0.0:
+                    a, nxt = accept_greedy(drafts[0, :n], lg)
+                else:
+                    a, nxt = accept_sampled(drafts[0, :n], probabilities(lg, r.temperature, r.top_p), q[0, :n],
+                                            r._generator)
+                keep = torch.tensor([1 + a])
+                row.state = self._target.commit(v, keep)
+                row.cache = spec.drafter.seed(row.cache, v.main_hidden, v.pos, keep)
+            except BaseException as e:
+                for x in list(self._running):
+                    self._end(x, "error", f"{type(e).__name__}: {e}")
+                self._running = []
+                raise
+            row.fed += [int(x) for x in v.tokens[0, :1 + a]]
+            r._fed = len(row.fed)
+            spec.counts.add(a, n)
+            for x in [*(int(d) for d in drafts[0, :a]), nxt]:
+                emitted += 1
+                self._accept(r, x)
+                if r.finished:
+                    break
+        if self.stats is not None:
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += emitted
+        for r in [r for r in self._running if r.finished]:
+            self._free(r)
+
     def _free(self, r: Request) -> None:
         """Free r's row (a snapshot of it to the prefix cache first: what a chat's next turn
         resends); the last row moves into it."""
+        if r._spec is not None:  # its own row, keyed by the ids its state holds
+            self._keep(r._spec.fed, r._spec.state, 0)
+            r._spec = None
+            self._running.remove(r)
+            return
         i, last = self._running.index(r), len(self._running) - 1
         self._keep((r.prompt_ids + r.generated)[:r._fed], self._state, i)
         if i != last:

@@ -236,6 +236,63 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
     return Generation(out, out_logits, state, stats)
 
 
+# ----------------------------------------------------------------------------------------- in the scheduler
+@dataclass
+class AcceptanceCounts:
+    """Running totals of a server's speculation (Prometheus, runtime_min/serving/engine.py): lengths[L]
+    the verify steps that emitted L tokens (1 + the drafts kept; index 0 unused), kept[j] / offered[j]
+    how often draft j was kept / offered. Bounded in size by the block, however long it runs."""
+
+    lengths: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    offered: list[int] = field(default_factory=list)
+
+    def add(self, a: int, n: int) -> None:
+        """One verify step of one row that offered n drafts and kept a of them."""
+        for lst, size in ((self.lengths, a + 2), (self.kept, n), (self.offered, n)):
+            lst.extend([0] * (size - len(lst)))
+        self.lengths[a + 1] += 1
+        for j in range(n):
+            self.offered[j] += 1
+            if j < a:
+                self.kept[j] += 1
+
+    @property
+    def steps(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def mean_length(self) -> float:
+        """Mean tokens a verify step emitted (1.0: no draft ever kept; 0.0 before any step)."""
+        return sum(L * c for L, c in enumerate(self.lengths)) / max(self.steps, 1)
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding in the scheduler (runtime_min/core/scheduler.py): `drafter` proposes up to
+    k tokens a step for each running request, the bundle's chunk bucket verifies them
+    (`RunnerTarget`); counts: what was kept. Raises ValueError for k outside 1..drafter.block."""
+
+    drafter: Drafter
+    k: int
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+
+    def __post_init__(self):
+        if not 1 <= self.k <= self.drafter.block:
+            raise ValueError(f"speculative tokens must be in 1..{self.drafter.block} (the drafter's block size), got {self.k}")
+
+
+@dataclass
+class SpecRow:
+    """One request's speculative decoding state in the scheduler: the target's state of one row
+    after the tokens `fed` (the prompt and every kept token: the ids its state holds, which a
+    prefix-cache snapshot is keyed by), and the drafter's cache of one row."""
+
+    state: Any
+    cache: Any
+    fed: list[int]
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
     if temperature == 0.0:
         return logits.argmax(dim=-1)

@@ -44,6 +44,8 @@ class Metrics:
         cache = scheduler.prefix_cache
         if cache is not None:  # named as vLLM's prefix-cache metrics (vllm:prefix_cache_queries, _hits)
             _PrefixCacheCollector(cache, r)
+        if scheduler.speculation is not None:
+            _SpeculationCollector(scheduler.speculation, r)
         Gauge("dsneuron_num_requests_waiting", "Requests in the queue, not yet admitted to a row",
               registry=r).set_function(lambda: scheduler.waiting)
         Gauge("dsneuron_num_requests_running", "Requests decoding in a row of the batch buckets",
@@ -59,6 +61,41 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("dsneuron_e2e_request_latency_seconds", "From arrival to the end of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+
+class _SpeculationCollector:
+    """Speculative decoding's counts (runtime_min/core/speculative.py AcceptanceCounts) read at each
+    scrape, as vLLM's spec-decode metrics count them (vllm:spec_decode_num_drafts,
+    _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos): the acceptance length
+    (tokens a verify step emitted: 1 + the drafts kept) as a histogram with one bucket per length,
+    and per draft position how often it was offered and kept."""
+
+    def __init__(self, speculation, registry: CollectorRegistry):
+        self.speculation = speculation
+        registry.register(self)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        c = self.speculation.counts
+        lengths = c.lengths + [0] * (self.speculation.k + 2 - len(c.lengths))
+        cumulative, buckets = 0, []
+        for L in range(1, len(lengths)):
+            cumulative += lengths[L]
+            buckets.append((str(float(L)), cumulative))
+        buckets.append(("+Inf", cumulative))
+        yield HistogramMetricFamily("dsneuron_spec_decode_acceptance_length", "Tokens one verify step emitted for one "
+                                    "request: 1 + the drafts kept", buckets=buckets,
+                                    sum_value=sum(L * n for L, n in enumerate(lengths)))
+        offered = CounterMetricFamily("dsneuron_spec_decode_draft_tokens", "Draft tokens offered to a verify, by "
+                                      "position in the block", labels=["position"])
+        kept = CounterMetricFamily("dsneuron_spec_decode_accepted_tokens", "Draft tokens kept by a verify, by position "
+                                   "in the block", labels=["position"])
+        for j in range(self.speculation.k):
+            offered.add_metric([str(j)], c.offered[j] if j < len(c.offered) else 0)
+            kept.add_metric([str(j)], c.kept[j] if j < len(c.kept) else 0)
+        yield offered
+        yield kept
 
 
 class _PrefixCacheCollector:
@@ -99,11 +136,11 @@ class Engine:
     `follow`)."""
 
     def __init__(self, session: Session, max_queue: int, channel: "Channel | None" = None,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, speculation=None):
         # the engine bounds the queue: waiting + events not yet applied. No prefix cache for the
         # ranks of a sharded bundle: each rank's cache would have to evict exactly as rank 0's
         cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and channel is None else None
-        self.scheduler = session.scheduler(prefix_cache=cache)
+        self.scheduler = session.scheduler(prefix_cache=cache, speculation=speculation)
         self.session = session
         self.max_queue = max_queue
         self.metrics = Metrics(self.scheduler)

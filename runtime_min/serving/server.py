@@ -487,10 +487,12 @@ class _Server(uvicorn.Server):
 def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 128,
           api_key: str | None = None, model_name: str = "dsneuron", grace: float = 30.0,
           ready: Callable[[str], None] | None = None, sock: socket.socket | None = None,
-          limits: Limits = Limits(), prefix_cache_bytes: int = 0) -> None:
+          limits: Limits = Limits(), prefix_cache_bytes: int = 0, speculation=None) -> None:
     """Serve `session` at http://host:port until SIGTERM or Ctrl-C (module docstring); port 0 takes
     a free one; `sock`: a socket `listen` bound already (host and port are then its);
-    prefix_cache_bytes: the prefix cache's budget (0: none; runtime_min/core/prefix_cache.py). ready(url) is
+    prefix_cache_bytes: the prefix cache's budget (0: none; runtime_min/core/prefix_cache.py);
+    speculation: a runtime_min/core/speculative.py Speculation the scheduler drafts and verifies
+    with (None: none; not with a sharded bundle). ready(url) is
     called once the socket listens. Raises UserError for an address that cannot be bound; after
     Ctrl-C the KeyboardInterrupt uvicorn raises again.
 
@@ -504,7 +506,7 @@ def serve(session: Session, host: str = "127.0.0.1", port: int = 8000, max_queue
         if dist.get_rank() != 0:
             follow(session, channel)
             return
-    engine = Engine(session, max_queue, channel, prefix_cache_bytes)
+    engine = Engine(session, max_queue, channel, prefix_cache_bytes, speculation)
     app = create_app(engine, model_name, api_key, limits)
     sock = sock or listen(host, port)
     # h11 refuses (400) a request line and headers past its own bound: keep it above --max-header-bytes so
