@@ -9,9 +9,9 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
   position: the head through the widest decode bucket's head stage and the target layers' streams)
   and the chunk call alone
   (= a replay of the kept tokens after a rejection);
-- drafter: one DSpark draft of a block from the checkpoint's mtp.* weights, EAGER in the golden's
-  exact numerics (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), when
-  --checkpoint is given;
+- drafter: one DSpark draft of a block from the checkpoint's mtp.* weights (--checkpoint) or the
+  bundle's own (`compile --speculative dspark`), EAGER in the golden's exact numerics
+  (graphs/dspark.py; not compiled: an upper bound of the drafter's cost);
 - projected: tokens/s at mean acceptance lengths 2.5 and 3.0 (the published figures, measured
   with V4.1's trained drafter; random weights accept ~nothing) against plain decoding, per step
   verify + replay (a step that keeps every draft skips it; at these lengths almost none does) +
@@ -65,7 +65,7 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
 
     from dsneuron import UserError
     from dsneuron.graphs.config import ModelConfig
-    from dsneuron.graphs.dspark import load_drafter
+    from dsneuron.graphs.dspark import bundle_drafter, load_drafter
     from dsneuron.runtime_min.core import speculative as sp
     from dsneuron.runtime_min.core.checks import check_context
     from dsneuron.runtime_min.core.runner import Runner
@@ -91,9 +91,10 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
     chunk = r.bucket("chunk", 1, max(r.lengths("chunk", 1)))
     out["verify_padded_tokens"] = chunk.padded_len(1 + k)
     out["verify_over_decode"] = out["verify_s"] / out["decode_s"]
-    if checkpoint is not None:
-        cfg = ModelConfig.from_dict(cfg_dict)
-        drafter = load_drafter(checkpoint, cfg, r.max_capacity)
+    cfg = ModelConfig.from_dict(cfg_dict)
+    drafter = (load_drafter(checkpoint, cfg, r.max_capacity) if checkpoint is not None
+               else bundle_drafter(r.bundle, cfg, r.max_capacity))
+    if drafter is not None:
         v = r.verify_prefill([prompt], target.target_layers)
         cache = drafter.seed(drafter.start(1), v.main_hidden, torch.tensor([0]), v.count)
         out["drafter_eager_s"] = _median(lambda: drafter.propose(cache, tok, torch.tensor([p - 1]), k, 0.0, None), repeats)
@@ -127,7 +128,8 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", type=Path, required=True, help="a cpu bundle with a chunk bucket of batch 1")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="its checkpoint (for the DSpark drafter's cost)")
+    ap.add_argument("--checkpoint", type=Path, default=None, help="its checkpoint (for the DSpark drafter's cost; "
+                    "default: the bundle's own drafter, if it stores one)")
     ap.add_argument("--k", type=int, default=5, help="drafts per verify (<= dspark_block_size)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the oracle run")
     ap.add_argument("--repeats", type=int, default=5)

@@ -344,7 +344,7 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     --speculative dspark`). UserError for a model without DSpark stages, k outside 1..block, a bundle
     that carries no drafter; BundleError for a stored drafter that does not load."""
     from dsneuron.graphs.config import ModelConfig
-    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors, load_drafter
+    from dsneuron.graphs.dspark import bundle_drafter, load_drafter
     from dsneuron.runtime_min.bundle.schema import BundleError
 
     cfg = ModelConfig.from_dict(session.manifest.model_config)
@@ -354,14 +354,14 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
         raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
     if draft_checkpoint is not None:
         return load_drafter(draft_checkpoint, cfg, session.max_capacity)
-    if session.runner.bundle.speculative != "dspark":
-        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
-                        "give --draft-checkpoint CKPT")
-    tensors = session.runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
     try:
-        return drafter_from_tensors(tensors, cfg, session.max_capacity)
+        drafter = bundle_drafter(session.runner.bundle, cfg, session.max_capacity)
     except ValueError as e:
         raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
+    if drafter is None:
+        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
+                        "give --draft-checkpoint CKPT")
+    return drafter
 
 
 def _print(stream: str, text: str) -> None:

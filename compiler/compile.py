@@ -193,8 +193,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
     staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
-        if compile_cfg.chunked_prefill:
-            plan = plan.with_chunks()
+    if compile_cfg.chunked_prefill and (staged or callable(getattr(parts.steps, "chunk", None))):
+        plan = plan.with_chunks()
     rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-stablehlo" if stablehlo_only else target)
             for pb in plan.buckets}
     if staged:
@@ -377,11 +377,22 @@ def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
     return max(2, math.lcm(*ratios or [1]))
 
 
+def step_graph(steps: Any, pb: PlannedBucket) -> StepGraph:
+    """The single-graph step of bucket `pb` (prefill, decode or chunk) from a StepFactory. Raises
+    CompileError for a chunk bucket of a factory without chunk graphs."""
+    if pb.kind == "prefill":
+        return steps.prefill(pb.batch, pb.seq_len, pb.capacity)
+    if pb.kind == "decode":
+        return steps.decode(pb.batch, pb.capacity)
+    if not callable(getattr(steps, "chunk", None)):
+        raise CompileError(f"{pb.label}: this model's steps have no chunk graph")
+    return steps.chunk(pb.batch, pb.seq_len, pb.capacity)
+
+
 def export_bucket(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:
     """Export one bucket with the backend's lowering; returns (the bucket's manifest facts as plain
     data, the program). The facts are what the cache's front index stores."""
-    graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
-        else parts.steps.decode(pb.batch, pb.capacity)
+    graph = step_graph(parts.steps, pb)
     mode = backend.lowering()
     exported = export_step(graph, parts.weights, pb.label, backend.input_views, mode,
                            neuron_spelling=backend.neuron_spelling)

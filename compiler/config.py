@@ -129,8 +129,9 @@ def check_speculative_plan(compile_cfg: "CompileConfig", model_cfg: ModelConfig,
         raise ConfigError(f"{what}: the model has no DSpark stages (n_mtp_layers = {model_cfg.n_mtp_layers}, "
                           f"dspark_target_layer_ids = {list(model_cfg.dspark_target_layer_ids)})")
     if target != "cpu":
-        raise ConfigError(f"{what}: the verify runs on the cpu target's staged chunk bucket; the neuron target has "
-                          "no chunk graph yet")
+        raise ConfigError(f"{what}: the verify reads the head's and the target layers' inputs at every position, "
+                          "which only the cpu target's staged chunk bucket gives (the neuron target's chunk graph "
+                          "returns the last position's logits)")
     if not compile_cfg.chunked_prefill:
         raise ConfigError(f"{what}: needs compile.chunked_prefill (the verify is a chunk of 1 + k tokens)")
     if tp > 1:

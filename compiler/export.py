@@ -81,6 +81,8 @@ class StepFactory(Protocol):
     (compiler/cache.py `pre_key`). Optional: stages(kind, batch, seq_len, capacity, min_seq_len)
     -> list[StageGraph], the bucket as a sequence of stages (used by backends that compile staged
     buckets; min_seq_len > 0 asks for a dynamic token dimension in min_seq_len..seq_len).
+    Optional: chunk(batch, seq_len, capacity) -> StepGraph, a single-graph chunk bucket (a prefill
+    continuing a state; with it, a single-graph compile plans chunk buckets as a staged one does).
     """
 
     def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph: ...

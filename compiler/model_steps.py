@@ -70,8 +70,13 @@ class GraphsStepFactory:
         names = ("tokens", "pos", "engram_ids", *m.state_names)
         return StepGraph(m, tuple(zip(names, m.example_inputs())), self._outputs(m))
 
+    def chunk(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
+        m = steps.ChunkStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
+        names = ("tokens", "pos", "valid_len", "engram_ids", *m.state_names)
+        return StepGraph(m, tuple(zip(names, m.example_inputs())), self._outputs(m))
+
     @staticmethod
-    def _outputs(m: steps.PrefillStep | steps.DecodeStep) -> tuple[str, ...]:
+    def _outputs(m: steps.PrefillStep | steps.DecodeStep | steps.ChunkStep) -> tuple[str, ...]:
         return ("logits", *m.state_names, *(PROBE_PREFIX + n for n in m.probe_names()))
 
     def stages(self, kind: str, batch: int, seq_len: int, capacity: int, min_seq_len: int = 0,

@@ -101,7 +101,8 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
     """Data (and state) inputs of bucket `pb` that exercise it: random tokens; prefill rows of
     lengths seq_len, seq_len-3, ...; a decode step after an eager prefill of prefill_len tokens per
     row (its state from that prefill, without the probe outputs of a probe build; the token at
-    position prefill_len). Engram ids from `hasher` (kernels_nki.engram_hash.NgramHasher, None
+    position prefill_len); a chunk after the same prefill, row b's n - 3b tokens (at least 1; n the
+    seq_len or what the capacity holds after the prefill) from position prefill_len. Engram ids from `hasher` (kernels_nki.engram_hash.NgramHasher, None
     without engram layers)."""
     g = torch.Generator().manual_seed(seed)
     B = pb.batch
@@ -114,15 +115,20 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
         tokens = torch.randint(2, cfg.vocab_size, (B, S), generator=g)
         valid = torch.tensor([max(1, S - 3 * b) for b in range(B)], dtype=torch.int64)
         return [tokens, valid, ids(tokens)]
-    seq = torch.randint(2, cfg.vocab_size, (B, prefill_len + 1), generator=g)
+    fed = 1 if pb.kind == "decode" else pb.seq_len
+    seq = torch.randint(2, cfg.vocab_size, (B, prefill_len + fed), generator=g)
     graph = steps.prefill(B, prefill_len, pb.capacity)
-    eng = ids(seq)
+    eng = ids(seq)  # the chunk's ids hashed with the history before it, as the runtime hashes them
     with torch.no_grad():
         out = graph.module(seq[:, :prefill_len], torch.full((B,), prefill_len, dtype=torch.int64),
                            eng[:, :prefill_len])
     state = [t for name, t in zip(graph.outputs[1:], out[1:]) if not name.startswith(PROBE_PREFIX)]
-    return [seq[:, prefill_len:].contiguous(), torch.full((B,), prefill_len, dtype=torch.int64),
-            eng[:, prefill_len:].contiguous(), *state]
+    pos = torch.full((B,), prefill_len, dtype=torch.int64)
+    if pb.kind == "decode":
+        return [seq[:, prefill_len:].contiguous(), pos, eng[:, prefill_len:].contiguous(), *state]
+    room = min(fed, pb.capacity - prefill_len)  # a chunk's tokens end within the capacity
+    valid = torch.tensor([max(1, room - 3 * b) for b in range(B)], dtype=torch.int64)
+    return [seq[:, prefill_len:].contiguous(), pos, valid, eng[:, prefill_len:].contiguous(), *state]
 
 
 @dataclass
@@ -166,12 +172,11 @@ def check_bucket(parts: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed
     from dsneuron.kernels_nki.engram_hash import NgramHasher
 
     from .backend_neuron import StableHLOBackend
-    from .compile import export_bucket
+    from .compile import export_bucket, step_graph
 
     backend = StableHLOBackend(None, [])
     hasher = NgramHasher(parts.host_params["engram"]) if parts.host_params.get("engram") else None
-    graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
-        else parts.steps.decode(pb.batch, pb.capacity)
+    graph = step_graph(parts.steps, pb)
     t0 = time.perf_counter()
     inputs = bucket_inputs(parts.steps, hasher, cfg, pb, prefill_len, seed)
     eager = eager_outputs(graph.module, inputs)
@@ -253,6 +258,8 @@ def main() -> None:
         compile_cfg = dataclasses.replace(compile_cfg, indexer=check_indexer(a.indexer, "--indexer"))
     parts = build_steps_for_config(model_cfg, compile_cfg, target="neuron")
     plan = plan_buckets(compile_cfg, model_cfg)
+    if compile_cfg.chunked_prefill:
+        plan = plan.with_chunks()
     console = Console(width=max(Console().width, 200))
     table = Table("bucket", "export s", "lower s", "XLA s", "run s", "KiB", "dot", "gather", "scatter", "sort", "while",
                   "comp.", "f8", "f64", "i64", "max const", "1-cos", "floor", title="StableHLO per bucket")

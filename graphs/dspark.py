@@ -316,6 +316,16 @@ def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafte
 DRAFTER_MAIN_WEIGHTS = ("embed.weight", "head.weight")
 
 
+def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter | None:
+    """The drafter a bundle compiled with `--speculative dspark` stores (a runtime_min/bundle/bundle.py
+    Bundle: its `speculative` and `stored_tensors`), None for a bundle that stores none. Raises
+    ValueError as `drafter_from_tensors` for stored tensors that do not make the drafter."""
+    if bundle.speculative != "dspark":
+        return None
+    return drafter_from_tensors(bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS),
+                                cfg, max_seq_len)
+
+
 def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
     """The DSpark drafter built on the main model's embedding and head alone (no main layers: what a
     bundle's runtime needs beside its executables). tensors: checkpoint names and formats, every

@@ -224,3 +224,33 @@ class DecodeStep(_Probes, nn.Module):
     def _run(self, tokens, pos, engram_ids, *state_tensors, capture: Capture | None = None):
         with gemm_order(self.order), indexer_mode(self.indexer):
             return decode(self.model, tokens, pos, engram_ids, dict(zip(self.state_names, state_tensors)), capture)
+
+
+class ChunkStep(_Probes, nn.Module):
+    """Exportable chunk of a prefill (`prefill_chunk`) at a fixed batch, a fixed seq_len and the
+    model's context capacity (order and indexer as in PrefillStep): the neuron target's chunk
+    bucket, whose shapes are static.
+
+    forward(tokens int64 [B,S], pos int64 [B], valid_len int64 [B], engram_ids int64 [B,S,E,C], *state)
+        -> (logits fp32 [B,V] at each row's last valid token, *state')
+    """
+
+    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False,
+                 indexer: str = "official"):
+        super().__init__()
+        self.model, self.batch, self.seq_len, self.order, self.probes = model, batch, seq_len, order, probes
+        self.indexer = indexer
+        self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        E, C = n_engram_cols(self.model.cfg)
+        B, S = self.batch, self.seq_len
+        state = init_state(self.model.cfg, B, self.model.max_seq_len)
+        return (torch.zeros(B, S, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                torch.full((B,), S, dtype=torch.int64), torch.zeros(B, S, E, C, dtype=torch.int64),
+                *[state[n] for n in self.state_names])
+
+    def _run(self, tokens, pos, valid_len, engram_ids, *state_tensors, capture: Capture | None = None):
+        with gemm_order(self.order), indexer_mode(self.indexer):
+            return prefill_chunk(self.model, tokens, pos, valid_len, engram_ids,
+                                 dict(zip(self.state_names, state_tensors)), capture)

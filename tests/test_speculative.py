@@ -446,7 +446,7 @@ def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden,
     and with the one the bundle stores (`--speculative dspark`), 20 greedy tokens, their logits, the
     state and the engram history equal plain decoding's bit for bit; both DSparks draft the same."""
     from dsneuron.graphs.checkpoint import load_checkpoint
-    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, DSpark, DSparkDrafter, drafter_from_tensors
+    from dsneuron.graphs.dspark import DSpark, DSparkDrafter, bundle_drafter
     from dsneuron.graphs.engram import engram_layout
 
     prompt, n = PROMPT + [7, 8, 9], 20
@@ -457,9 +457,9 @@ def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden,
     dspark = DSparkDrafter(DSpark.from_checkpoint(micro_golden.model, {k: t for k, t in ckpt.items() if k.startswith("mtp.")},
                                                   1024))
     assert spec_runner.bundle.speculative == "dspark"
-    stored = spec_runner.bundle.stored_tensors(lambda name: name.startswith("mtp.") or name in DRAFTER_MAIN_WEIGHTS)
-    assert sorted(n_ for n_ in stored if n_.startswith("mtp.")) == sorted(k for k in ckpt if k.startswith("mtp."))
-    bundled = drafter_from_tensors(stored, cfg, 1024)
+    stored = spec_runner.bundle.stored_tensors(lambda name: name.startswith("mtp."))
+    assert sorted(stored) == sorted(k for k in ckpt if k.startswith("mtp."))
+    bundled = bundle_drafter(spec_runner.bundle, cfg, 1024)
     drafters = [OracleDrafter(prompt + tokens, [w], cfg.vocab_size) for w in (0, 1, 2, None)] + [dspark, bundled]
     for i, drafter in enumerate(drafters):
         res = sp.generate(target, drafter, [prompt], n, K)
@@ -555,7 +555,7 @@ def test_speculative_plan_refusals(micro_cfg):
     check_speculative_plan(dataclasses.replace(cc, speculative="none"), micro_cfg, "neuron", tp=2)  # nothing asked
     no_mtp = dataclasses.replace(micro_cfg, n_mtp_layers=0)
     for args, msg in [((cc, no_mtp, "cpu"), "the model has no DSpark stages"),
-                      ((cc, micro_cfg, "neuron"), "the neuron target has no chunk graph"),
+                      ((cc, micro_cfg, "neuron"), "only the cpu target's staged chunk bucket"),
                       ((dataclasses.replace(cc, chunked_prefill=False), micro_cfg, "cpu"), "needs compile.chunked_prefill"),
                       ((cc, micro_cfg, "cpu", 2), "with --tp 2")]:
         with pytest.raises(ConfigError, match=msg):
@@ -572,7 +572,7 @@ def test_compile_refuses_bad_speculative_flags_before_reading(monkeypatch, capsy
     assert "--speculative: must be one of none, dspark" in capsys.readouterr().err
     assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "dspark", "--target", "neuron",
                    "--stablehlo-only", "--out", str(out)) == 2
-    assert "no chunk graph" in capsys.readouterr().err
+    assert "only the cpu target's staged chunk bucket" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -621,8 +621,15 @@ def test_drafter_from_tensors_is_the_checkpoints_drafter(micro_golden, micro_che
     da, _ = drafter.propose(a, x, pos, K, 0.0, None)
     db, _ = mine.propose(b, x, pos, K, 0.0, None)
     assert torch.equal(da, db)
+    (da, qa), (db, qb) = (d.propose(c, x, pos, K, 1.0, torch.Generator().manual_seed(3)) for d, c in ((drafter, a), (mine, b)))
+    assert torch.equal(da, db) and torch.equal(qa, qb)  # the proposal distributions, bit for bit
     with pytest.raises(ValueError, match="no tensor 'head.weight'"):
         drafter_from_tensors({n: t for n, t in tensors.items() if n != "head.weight"}, cfg, 64)
+    from types import SimpleNamespace
+
+    from dsneuron.graphs.dspark import bundle_drafter
+
+    assert bundle_drafter(SimpleNamespace(speculative="none"), cfg, 64) is None
 
 
 @pytest.mark.slow
@@ -719,16 +726,15 @@ def test_scheduler_speculation_gives_the_plain_schedulers_output(spec_runner):
     finish reason are the plain scheduler's; the oracle's steps keep drafts (mean acceptance length
     above 2), DSpark's random weights keep none. A stop string ends a request at the same text."""
     from dsneuron.graphs.config import ModelConfig
-    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors
+    from dsneuron.graphs.dspark import bundle_drafter
     from dsneuron.runtime_min.core.speculative import Speculation
     from dsneuron.runtime_min.session import Session
 
     session = Session(spec_runner)
     plain = _scheduled(session, SCHED_PROMPTS)
     cfg = ModelConfig.from_dict(spec_runner.manifest.model_config)
-    stored = spec_runner.bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS)
     seqs = [session.encode(p) + g for (p, _), (g, _, _) in zip(SCHED_PROMPTS, plain)]
-    for drafter in (drafter_from_tensors(stored, cfg, 1024), LookupOracle(seqs, None, spec_runner.vocab_size),
+    for drafter in (bundle_drafter(spec_runner.bundle, cfg, 1024), LookupOracle(seqs, None, spec_runner.vocab_size),
                     LookupOracle(seqs, 1, spec_runner.vocab_size)):
         spec = Speculation(drafter, K)
         assert _scheduled(session, SCHED_PROMPTS, spec) == plain, type(drafter).__name__

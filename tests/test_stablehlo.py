@@ -197,8 +197,8 @@ def test_stablehlo_only_is_refused_off_neuron_and_with_sharding(monkeypatch, cap
 # ------------------------------------------------------------------------------------------ micro, every bucket
 @pytest.fixture(scope="module")
 def micro_stablehlo(tmp_path_factory):
-    """`dsneuron compile --config micro --target neuron --stablehlo-only --probes`: all 8 buckets
-    (about 2-3 minutes on 2 cores), as a user runs it, in a process of its own: this one may have
+    """`dsneuron compile --config micro --target neuron --stablehlo-only --probes`: all 10 buckets
+    (6 prefill, 2 decode, 2 chunk; about 3 minutes on 2 cores), as a user runs it, in a process of its own: this one may have
     JAX's threads up already, after which the compile would not fork its workers (compiler/staged.py
     threaded_runtimes) and run one task at a time."""
     import subprocess
@@ -219,7 +219,8 @@ def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composit
     bundle = micro_stablehlo / "bundle"
     m = Manifest.from_json((bundle / "manifest.json").read_text())
     model_cfg, compile_cfg, _ = load_config("micro")
-    assert len(m.buckets) == len(plan_buckets(compile_cfg, model_cfg).buckets) == 8
+    assert len(m.buckets) == len(plan_buckets(compile_cfg, model_cfg).with_chunks().buckets) == 10
+    assert sorted(b.kind for b in m.buckets).count("chunk") == 2
     assert (m.target, m.compiler["backend"], m.compiler["flags"]) == ("neuron", "stablehlo", ["--stablehlo-only"])
     assert m.compiler["custom_ops"]["dsneuron::sparse_attn"] == "kernel"
     assert m.toolchain["stablehlo"]["artifact"] == TARGET_VERSION and m.toolchain["torch_mlir"]
@@ -239,13 +240,13 @@ def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composit
 @pytest.mark.slow  # 90 s: the next test still runs the modules one prompt uses, through compare
 def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_stablehlo):
     """Each bucket's module, compiled by XLA from the bundle's file, on inputs that exercise it
-    (prefill rows of several lengths; a decode step on an eager prefill's state), against the step
+    (prefill rows of several lengths; a decode step and a chunk on an eager prefill's state), against the step
     run eagerly by torch: no output all zeros where the eager one is not, and the logits' 1 - cos,
     averaged over the buckets, within `dsneuron compare`'s floor averaged the same way. Per
     bucket both are one sample of how far micro's random weights carry a last-bit difference (a
     bucket's can be a few times its floor: measured up to 1.7x, at 0.3x on average)."""
     from dsneuron.compiler.buckets import plan_buckets
-    from dsneuron.compiler.compile import build_steps_for_config
+    from dsneuron.compiler.compile import build_steps_for_config, step_graph
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.stablehlo_check import bucket_inputs, compare_outputs, eager_outputs, logits_within_floor
     from dsneuron.kernels_nki.engram_hash import NgramHasher
@@ -255,11 +256,10 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
     parts = build_steps_for_config(model_cfg, compile_cfg, micro_stablehlo / "cache", probes=True, target="neuron")
     session = Session.load(micro_stablehlo / "bundle")
     hasher = NgramHasher(parts.host_params["engram"])
-    plan = plan_buckets(compile_cfg, model_cfg)
+    plan = plan_buckets(compile_cfg, model_cfg).with_chunks()
     measured = {}
     for pb in plan.buckets:
-        graph = parts.steps.prefill(pb.batch, pb.seq_len, pb.capacity) if pb.kind == "prefill" \
-            else parts.steps.decode(pb.batch, pb.capacity)
+        graph = step_graph(parts.steps, pb)
         prefill_len = min(b.seq_len for b in plan.buckets if b.kind == "prefill" and b.batch == pb.batch)
         inputs = bucket_inputs(parts.steps, hasher, model_cfg, pb, prefill_len)
         got = session.runner.executable(pb.kind, pb.batch, pb.length).run(inputs)
@@ -268,9 +268,34 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
         assert not [a.name for a in report.outputs if a.zero_mismatch], pb.label
         logits = next(a for a in report.outputs if a.name == "logits")
         assert math.isfinite(logits.max_rel) and logits.cos > 0.9, (pb.label, logits)
-    assert len(measured) == 8
+    assert len(measured) == 10
     bundle, floor = (sum(v[i] for v in measured.values()) / len(measured) for i in (0, 1))
     assert bundle <= floor, measured
+
+
+def test_a_prompt_runs_as_chunks_on_the_stablehlo_bundle(micro_stablehlo):
+    """The neuron target's chunk buckets, run on XLA:CPU through the runtime: a 40-token prompt as a
+    prefill of 16 and chunks of 16 (each padded to the static chunk of 64) gives the one-shot
+    prefill's greedy token with its logits within 1e-4 of 1 - cos (micro's chunked-against-one-shot
+    gap on the cpu target is a few ulps of fp32 summation order), and a prefix-cache start after 32
+    tokens gives the chunked run's logits bit for bit (its last chunk call, from the same state)."""
+    import torch
+
+    from dsneuron.compiler.compare import logit_metrics
+    from dsneuron.runtime_min.session import Session
+
+    runner = Session.load(micro_stablehlo / "bundle").runner
+    assert runner.lengths("chunk", 1) == [64]
+    ids = torch.randint(3, 128000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    whole = runner.prefill_job(ids).run()
+    chunked = runner.prefill_job(ids, chunk=16).run()
+    assert chunked.bucket.kind == "chunk"
+    assert int(whole.logits[0].argmax()) == int(chunked.logits[0].argmax())
+    assert 1 - logit_metrics(chunked.logits[0], whole.logits[0])["cos"] < 1e-4
+    first = runner.prefill_job(ids[:32], chunk=16).run()
+    resumed = runner.prefill_job(ids, prefix=(32, runner.snapshot(first.state, 0))).run()
+    assert resumed.bucket.kind == "chunk"
+    assert torch.equal(resumed.logits[0], chunked.logits[0])
 
 
 def test_every_micro_stage_is_within_2_ulps_or_a_named_deviation(micro_stablehlo):
