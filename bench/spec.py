@@ -11,7 +11,8 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
   (= a replay of the kept tokens after a rejection);
 - drafter: one DSpark draft of a block from the checkpoint's mtp.* weights (--checkpoint) or the
   bundle's own (`compile --speculative dspark`), EAGER in the golden's exact numerics
-  (graphs/dspark.py; not compiled: an upper bound of the drafter's cost);
+  (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), and again in GEMM order
+  "fused" (fp32 GEMMs, what `run` and `serve` draft with);
 - projected: tokens/s at mean acceptance lengths 2.5 and 3.0 (the published figures, measured
   with V4.1's trained drafter; random weights accept ~nothing) against plain decoding, per step
   verify + replay (a step that keeps every draft skips it; at these lengths almost none does) +
@@ -92,17 +93,26 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
     out["verify_padded_tokens"] = chunk.padded_len(1 + k)
     out["verify_over_decode"] = out["verify_s"] / out["decode_s"]
     cfg = ModelConfig.from_dict(cfg_dict)
-    drafter = (load_drafter(checkpoint, cfg, r.max_capacity) if checkpoint is not None
-               else bundle_drafter(r.bundle, cfg, r.max_capacity))
-    if drafter is not None:
+
+    def draft_seconds(order: str) -> float | None:  # one drafter at a time: the golden's holds float64 copies
+        drafter = (load_drafter(checkpoint, cfg, r.max_capacity, order) if checkpoint is not None
+                   else bundle_drafter(r.bundle, cfg, r.max_capacity, order))
+        if drafter is None:
+            return None
         v = r.verify_prefill([prompt], target.target_layers)
         cache = drafter.seed(drafter.start(1), v.main_hidden, torch.tensor([0]), v.count)
-        out["drafter_eager_s"] = _median(lambda: drafter.propose(cache, tok, torch.tensor([p - 1]), k, 0.0, None), repeats)
+        return _median(lambda: drafter.propose(cache, tok, torch.tensor([p - 1]), k, 0.0, None), repeats)
+
+    for order, key in (("ascending", "drafter_eager_s"), ("fused", "drafter_fused_s")):
+        seconds = draft_seconds(order)
+        if seconds is not None:
+            out[key] = seconds
     step = out["verify_s"] + out["chunk_call_s"]
-    out["projected_speedup"] = {  # drafter_eager only where the drafter was measured (--checkpoint)
+    out["projected_speedup"] = {  # with the drafter's cost where it was measured (a checkpoint or the bundle's)
         str(a): {"drafter_free": a * out["decode_s"] / step,
-                 **({"drafter_eager": a * out["decode_s"] / (step + out["drafter_eager_s"])}
-                    if "drafter_eager_s" in out else {})}
+                 **{name: a * out["decode_s"] / (step + out[key])
+                    for name, key in (("drafter_eager", "drafter_eager_s"), ("drafter_fused", "drafter_fused_s"))
+                    if key in out}}
         for a in (2.5, 3.0)}
     # the oracle (TEST-ONLY): plain greedy first, then the loop proposing those tokens
     t0 = time.perf_counter()

@@ -341,7 +341,8 @@ def _check_speculation_flags(speculative_tokens: int, draft_checkpoint: Optional
 def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     """The DSpark drafter (graphs/dspark.py, eager) for `run`/`serve --speculative-tokens k` on a loaded
     session: from `draft_checkpoint`'s mtp.* when given, else from the bundle's own (`compile
-    --speculative dspark`). UserError for a model without DSpark stages, k outside 1..block, a bundle
+    --speculative dspark`); in GEMM order "fused" (fp32 GEMMs: its drafts never reach the output,
+    and the golden's exact order costs several times more). UserError for a model without DSpark stages, k outside 1..block, a bundle
     that carries no drafter; BundleError for a stored drafter that does not load."""
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import bundle_drafter, load_drafter
@@ -353,9 +354,9 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     if not 1 <= k <= cfg.dspark_block_size:
         raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
     if draft_checkpoint is not None:
-        return load_drafter(draft_checkpoint, cfg, session.max_capacity)
+        return load_drafter(draft_checkpoint, cfg, session.max_capacity, order="fused")
     try:
-        drafter = bundle_drafter(session.runner.bundle, cfg, session.max_capacity)
+        drafter = bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused")
     except ValueError as e:
         raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
     if drafter is None:

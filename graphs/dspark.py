@@ -47,6 +47,7 @@ from .context import Capture
 from .dispatch import fp8_qdq
 from .mhc import hc_post, hc_pre
 from .model import Block, Linear, RMSNorm, Transformer, embed_stream
+from .numerics import gemm_order
 from .rope import rope_tables, with_rope_tail
 from .quant import dequant_fp8_weight, linear_fp32
 
@@ -114,7 +115,14 @@ class DSpark(nn.Module):
     Build with `DSpark.from_checkpoint(model, ckpt)` from the checkpoint's mtp.* tensors (as loaded
     by graphs/checkpoint.py). Raises ValueError when the config has no DSpark stages or a tensor
     is missing or misshapen.
+
+    order: the GEMM order its projections run in (graphs/numerics.py): the golden's "ascending"
+    (exact block sums, float64 weight copies) or "fused" (one fp32 GEMM a projection, fp32 copies:
+    several times faster, the drafts within fp32 summation order of the golden's). The drafts never
+    reach the output (the verify decides), so serving may draft "fused".
     """
+
+    order: str = "ascending"
 
     def __init__(self, model: Transformer, max_seq_len: int):
         super().__init__()
@@ -144,10 +152,16 @@ class DSpark(nn.Module):
               "confidence_head.proj.weight": "confidence"}
 
     @classmethod
-    def from_checkpoint(cls, model: Transformer, ckpt: dict[str, torch.Tensor], max_seq_len: int) -> "DSpark":
+    def from_checkpoint(cls, model: Transformer, ckpt: dict[str, torch.Tensor], max_seq_len: int,
+                        order: str = "ascending") -> "DSpark":
         """The drafter with the checkpoint's mtp.* tensors (wo_a dequantised to bf16 as convert.py
-        does for the main layers, bf16 heads promoted to fp32 as the reference holds them)."""
+        does for the main layers, bf16 heads promoted to fp32 as the reference holds them), drafting
+        in GEMM `order` (class docstring). Raises ValueError as the class says, or for an order
+        other than "ascending" and "fused"."""
+        if order not in ("ascending", "fused"):
+            raise ValueError(f"DSpark: order must be 'ascending' or 'fused', got {order!r}")
         drafter = cls(model, max_seq_len)
+        drafter.order = order
         params = dict(drafter.named_parameters())
         loaded = {}
         for name, t in ckpt.items():
@@ -171,7 +185,7 @@ class DSpark(nn.Module):
         drafter.load_state_dict(loaded, strict=False, assign=True)
         for mod in drafter.modules():
             if isinstance(mod, Linear):
-                mod.cached = mod.dequantized().double()
+                mod.cached = mod.dequantized().double() if order != "fused" else mod.dequantized().float()
         return drafter.eval()
 
     # ------------------------------------------------------------------ state
@@ -255,11 +269,11 @@ class DSpark(nn.Module):
         embeds = []
         for i in range(K):
             e = self.markov_embed[out[:, i]]  # bf16 [B, r]
-            logits[:, i] += linear_fp32(e.float(), self.markov_head)
+            logits[:, i] += linear_fp32(e.float(), self.markov_head, self.order)
             embeds.append(e)
             out[:, i + 1] = draw(logits[:, i], temperature, generator)
         hidden = torch.cat([x, torch.stack(embeds, dim=1)], dim=-1).float()
-        confidence = linear_fp32(hidden, self.confidence).squeeze(-1)
+        confidence = linear_fp32(hidden, self.confidence, self.order).squeeze(-1)
         return Draft(out[:, 1:], logits, confidence)
 
 
@@ -280,7 +294,7 @@ def draw(logits: torch.Tensor, temperature: float, generator: torch.Generator | 
 
 # ----------------------------------------------------------------------------------------- speculative
 class DSparkDrafter:
-    """`DSpark` as runtime_min/core/speculative.py's Drafter (eager, the golden's numerics)."""
+    """`DSpark` as runtime_min/core/speculative.py's Drafter (eager, in the DSpark's GEMM order)."""
 
     def __init__(self, dspark: DSpark):
         self.dspark, self.block = dspark, dspark.block
@@ -289,19 +303,21 @@ class DSparkDrafter:
         return self.dspark.init_cache(batch)
 
     def seed(self, cache: DraftCache, main_hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> DraftCache:
-        return self.dspark.seed(cache, main_hidden, start, count)
+        with gemm_order(self.dspark.order):
+            return self.dspark.seed(cache, main_hidden, start, count)
 
     def propose(self, cache: DraftCache, token: torch.Tensor, pos: torch.Tensor, k: int, temperature: float,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        d = self.dspark.draft(cache, token, pos, temperature, generator)
+        with gemm_order(self.dspark.order):
+            d = self.dspark.draft(cache, token, pos, temperature, generator)
         q = draft_probs(d.logits[:, :k], temperature) if temperature > 0 else None
         return d.tokens[:, :k], q
 
 
-def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
+def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int, order: str = "ascending") -> DSparkDrafter:
     """The DSpark drafter of a checkpoint folder (validated, graphs/checkpoint.py): `drafter_from_tensors`
-    on its tensors. max_seq_len: the context capacity it drafts within. Raises CheckpointError /
-    ValueError as load_checkpoint and `DSpark.from_checkpoint`."""
+    on its tensors. max_seq_len: the context capacity it drafts within; order: its GEMM order
+    (`DSpark`). Raises CheckpointError / ValueError as load_checkpoint and `DSpark.from_checkpoint`."""
     from pathlib import Path
 
     from .checkpoint import load_checkpoint
@@ -309,30 +325,32 @@ def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafte
 
     ckpt = load_checkpoint(Path(checkpoint), cfg, engram_layout(cfg).num_embeddings if cfg.engram_layer_ids else ())
     return drafter_from_tensors({n: t for n, t in ckpt.items() if n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS},
-                                cfg, max_seq_len)
+                                cfg, max_seq_len, order)
 
 
 #: the main model's tensors the drafter reads besides its own mtp.*: the embedding and the head
 DRAFTER_MAIN_WEIGHTS = ("embed.weight", "head.weight")
 
 
-def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter | None:
+def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int, order: str = "ascending") -> DSparkDrafter | None:
     """The drafter a bundle compiled with `--speculative dspark` stores (a runtime_min/bundle/bundle.py
-    Bundle: its `speculative` and `stored_tensors`), None for a bundle that stores none. Raises
-    ValueError as `drafter_from_tensors` for stored tensors that do not make the drafter."""
+    Bundle: its `speculative` and `stored_tensors`), in GEMM `order` (`DSpark`); None for a bundle
+    that stores none. Raises ValueError as `drafter_from_tensors` for stored tensors that do not
+    make the drafter."""
     if bundle.speculative != "dspark":
         return None
     return drafter_from_tensors(bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS),
-                                cfg, max_seq_len)
+                                cfg, max_seq_len, order)
 
 
-def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int) -> DSparkDrafter:
+def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int,
+                         order: str = "ascending") -> DSparkDrafter:
     """The DSpark drafter built on the main model's embedding and head alone (no main layers: what a
     bundle's runtime needs beside its executables). tensors: checkpoint names and formats, every
     `mtp.*` tensor plus `embed.weight` (bf16 [V, D]) and `head.weight` (bf16 or fp32 [V, D], held
     fp32 as the reference promotes it), e.g. from a checkpoint or a bundle compiled with
-    `--speculative dspark`. Raises ValueError naming a missing or misshapen tensor
-    (`DSpark.from_checkpoint`)."""
+    `--speculative dspark`; order: its GEMM order (`DSpark`). Raises ValueError naming a missing or
+    misshapen tensor, or a bad order (`DSpark.from_checkpoint`)."""
     missing = [n for n in DRAFTER_MAIN_WEIGHTS if n not in tensors]
     if missing:
         raise ValueError(f"DSpark drafter: no tensor {missing[0]!r} (the main model's {missing[0].split('.')[0]})")
@@ -343,4 +361,4 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max
     main.head.weight = nn.Parameter(tensors["head.weight"].float(), requires_grad=False)
     mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
     with torch.inference_mode():
-        return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len))
+        return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len, order))

@@ -226,21 +226,14 @@ class DecodeStep(_Probes, nn.Module):
             return decode(self.model, tokens, pos, engram_ids, dict(zip(self.state_names, state_tensors)), capture)
 
 
-class ChunkStep(_Probes, nn.Module):
+class ChunkStep(PrefillStep):
     """Exportable chunk of a prefill (`prefill_chunk`) at a fixed batch, a fixed seq_len and the
-    model's context capacity (order and indexer as in PrefillStep): the neuron target's chunk
-    bucket, whose shapes are static.
+    model's context capacity (constructed as PrefillStep): the neuron target's chunk bucket, whose
+    shapes are static.
 
     forward(tokens int64 [B,S], pos int64 [B], valid_len int64 [B], engram_ids int64 [B,S,E,C], *state)
         -> (logits fp32 [B,V] at each row's last valid token, *state')
     """
-
-    def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False,
-                 indexer: str = "official"):
-        super().__init__()
-        self.model, self.batch, self.seq_len, self.order, self.probes = model, batch, seq_len, order, probes
-        self.indexer = indexer
-        self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
         E, C = n_engram_cols(self.model.cfg)
