@@ -625,6 +625,13 @@ def test_drafter_from_tensors_is_the_checkpoints_drafter(micro_golden, micro_che
     assert torch.equal(da, db) and torch.equal(qa, qb)  # the proposal distributions, bit for bit
     with pytest.raises(ValueError, match="no tensor 'head.weight'"):
         drafter_from_tensors({n: t for n, t in tensors.items() if n != "head.weight"}, cfg, 64)
+    # what run and serve draft with: GEMM order fused, its proposal within fp32 summation order of the golden's
+    fused = drafter_from_tensors(tensors, cfg, micro_golden.max_seq_len, order="fused")
+    c = fused.seed(fused.start(1), v.main_hidden, start, count)
+    _, qf = fused.propose(c, x, pos, K, 1.0, torch.Generator().manual_seed(3))
+    assert (qf[:, 0] - qa[:, 0]).abs().max() < 1e-3 and not torch.equal(qf[:, 0], qa[:, 0])  # later rows follow the draws
+    with pytest.raises(ValueError, match="order must be 'ascending' or 'fused'"):
+        drafter_from_tensors(tensors, cfg, 64, order="kernel")
     from types import SimpleNamespace
 
     from dsneuron.graphs.dspark import bundle_drafter
