@@ -76,7 +76,7 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
     block = int(cfg_dict["dspark_block_size"])
     if not 1 <= k <= block:
         raise UserError(f"--k must be in 1..{block} (the model's dspark_block_size), got {k}")
-    check_context(12, tokens, r.max_capacity, "--tokens", reserve=k)  # the 12-token prompt, the oracle's last verify
+    check_context(12, tokens, r.max_capacity, "--tokens")  # the 12-token prompt
     target = sp.RunnerTarget(r)
     prompt = torch.randint(3, min(r.vocab_size, 128000), (12,), generator=torch.Generator().manual_seed(0)).tolist()
     pre = r.prefill([prompt])

@@ -197,7 +197,9 @@ class Session:
         check_generation(max_new_tokens, temperature, top_p, seed)
         ids = self.encode(prompt)
         self.runner.check_prompt_length(len(ids))
-        check_context(len(ids), max_new_tokens, self.max_capacity, reserve=k)
+        # the plain run's limit: `generate` drafts no further than a row's budget, so its verifies
+        # feed no position past prompt + max_new_tokens - 1
+        check_context(len(ids), max_new_tokens, self.max_capacity)
         gen = None
         if temperature > 0:
             gen = torch.Generator()

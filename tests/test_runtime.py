@@ -143,21 +143,6 @@ def test_context_rule_edges(prompt_len, new, fits):
             check_context(prompt_len, new, 16)
 
 
-@pytest.mark.parametrize("prompt_len, new, k", [(2, 12, 3), (2, 13, 3), (16, 1, 1), (1, 14, 2), (1, 15, 2)])
-def test_context_rule_with_speculative_drafts(prompt_len, new, k):
-    """A speculative run reserves the k positions its last verify feeds past the last token: the
-    limit it names is the largest max_new_tokens that fits, and that value is accepted."""
-    limit = 16 - prompt_len + 1 - k
-    if new <= limit:
-        check_context(prompt_len, new, 16, reserve=k)
-    else:
-        with pytest.raises(UserError, match=rf"max_new_tokens {new} \+ {k} draft tokens .* needs "
-                                            rf"{prompt_len + new - 1 + k} positions .*max_new_tokens <= {limit}$"):
-            check_context(prompt_len, new, 16, reserve=k)
-    if limit >= 1:
-        check_context(prompt_len, limit, 16, reserve=k)
-
-
 def test_more_prompts_than_the_largest_batch_bucket_queue(session):
     """3 prompts on a bundle of batch 2: the third waits for a free row (runtime_min/core/scheduler.py)."""
     assert session.generate(["a", "b", "c"], max_new_tokens=3) == [session.generate(p, max_new_tokens=3)

@@ -258,6 +258,19 @@ class ToyTarget:
         return out, chosen
 
 
+def test_the_loop_feeds_no_position_past_the_plain_runs_limit():
+    """A prompt and max_new that fill the toy's M positions exactly (prompt + max_new - 1 = M, the
+    plain run's limit): with the oracle always right the last verify drafts only what the budget
+    leaves, so no verify feeds a position past M (the toy's state would raise IndexError) and the
+    tokens are plain decoding's."""
+    toy = ToyTarget()
+    prompt = [1 + i % 7 for i in range(40)]
+    n = ToyTarget.M - len(prompt) + 1
+    plain, _ = toy.plain(prompt, n)
+    res = sp.generate(toy, OracleDrafter(prompt + plain, [None], ToyTarget.V), [prompt], n, K)
+    assert res.tokens[0] == plain
+
+
 def test_loop_on_a_toy_target_forced_rejection_at_every_position():
     """The loop's bookkeeping, cheap: rows of one batch with different prompts, the oracle wrong at
     draft 0, 1, 2 or never; every row gets plain greedy decoding's tokens and logits, its state is

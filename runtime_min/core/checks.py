@@ -54,20 +54,18 @@ def check_seed(seed: int | None, name: str = "seed") -> None:
         raise ParamError(f"{name} must be an integer in 0..{SEED_LIMIT - 1} (2**64 - 1), got {seed!r}", name)
 
 
-def check_context(prompt_len: int, max_new_tokens: int, capacity: int, name: str = "max_new_tokens",
-                  reserve: int = 0) -> None:
+def check_context(prompt_len: int, max_new_tokens: int, capacity: int, name: str = "max_new_tokens") -> None:
     """ParamError naming the limit unless a prompt of `prompt_len` tokens can generate
-    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 + reserve
-    <= capacity (the prefill holds positions 0..prompt_len-1 and the last new token is sampled but
-    never fed back, so it takes no position; `reserve`: the positions a speculative verify feeds past
-    it, its draft tokens). `name`: the parameter's name in the message."""
-    needed = prompt_len + max_new_tokens - 1 + reserve
+    `max_new_tokens` tokens within `capacity` positions: prompt_len + max_new_tokens - 1 <= capacity
+    (the prefill holds positions 0..prompt_len-1 and the last new token is sampled but never fed
+    back, so it takes no position; a speculative verify drafts no further than that either).
+    `name`: the parameter's name in the message."""
+    needed = prompt_len + max_new_tokens - 1
     if needed > capacity:
-        drafts = f" + {reserve} draft tokens the last verify feeds" if reserve else ""
-        raise ParamError(f"prompt of {prompt_len} tokens + {name} {max_new_tokens}{drafts} needs {needed} positions "
+        raise ParamError(f"prompt of {prompt_len} tokens + {name} {max_new_tokens} needs {needed} positions "
                          f"(prompt + new tokens - 1: the last new token is not fed back), which exceeds the context "
                          f"capacity of this bundle, {capacity} tokens (compile.decode_context_lens); use "
-                         f"{name} <= {capacity - prompt_len + 1 - reserve}", name)
+                         f"{name} <= {capacity - prompt_len + 1}", name)
 
 
 def check_generation(max_new_tokens: int, temperature: float, top_p: float, seed: int | None,
