@@ -824,3 +824,21 @@ def test_served_speculation_with_the_openai_client(spec_runner):
             else:
                 assert "dsneuron_spec_decode" not in metrics
     assert got[0] == got[1]
+
+
+def test_runner_target_refuses_a_bundle_without_a_staged_chunk_bucket():
+    """Speculation on a bundle whose chunk buckets are single graphs (the neuron target's: they return
+    the last position's logits) or that has none: a BundleError naming what the verify needs, before
+    any request runs (run and serve then exit 2)."""
+    from types import SimpleNamespace
+
+    from dsneuron.runtime_min.bundle.schema import BundleError
+
+    def runner(*buckets):
+        return SimpleNamespace(manifest=SimpleNamespace(model_config={"dspark_target_layer_ids": [1]}, target="neuron",
+                                                        buckets=[SimpleNamespace(kind=k, stages=st) for k, st in buckets]))
+
+    for buckets in ([("prefill", ()), ("decode", ())], [("chunk", ()), ("decode", ("s",))]):
+        with pytest.raises(BundleError, match="verifies drafts on a staged chunk bucket"):
+            sp.RunnerTarget(runner(*buckets))
+    assert sp.RunnerTarget(runner(("chunk", ("s",)))).target_layers == (1,)

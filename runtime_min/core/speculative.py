@@ -304,14 +304,21 @@ class RunnerTarget:
     """A compiled bundle as the `Target` (runtime_min/core/runner.py `Runner.verify`): prefill and verify
     run the prefill and chunk buckets stage by stage, reading the head at every position and the
     stream entering each DSpark target layer (the cpu target's staged buckets); commit replays the
-    kept tokens from the verify's input state when a row rejected a draft."""
+    kept tokens from the verify's input state when a row rejected a draft. Raises ValueError for a
+    model without DSpark target layers, BundleError for a bundle without a staged chunk bucket."""
 
     def __init__(self, runner, target_layers: Sequence[int] | None = None):
+        from ..bundle.schema import BundleError
+
         self.runner = runner
         cfg = runner.manifest.model_config
         self.target_layers = tuple(cfg.get("dspark_target_layer_ids", ()) if target_layers is None else target_layers)
         if not self.target_layers:
             raise ValueError("RunnerTarget: the bundle's model has no DSpark target layers")
+        if not any(b.kind == "chunk" and b.stages for b in runner.manifest.buckets):
+            raise BundleError("speculative decoding verifies drafts on a staged chunk bucket (a cpu bundle compiled "
+                              "with compile.chunked_prefill), which reads every position's logits; this bundle "
+                              f"({runner.manifest.target} target) has none")
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Verified:
         return self.runner.verify_prefill(prompts, self.target_layers)
