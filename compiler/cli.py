@@ -263,8 +263,9 @@ def run_cmd(
                                                       "to stderr"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
                                            help="draft this many tokens a step with DSpark and verify them in one "
-                                                "chunk call (0 = off; at most the model's dspark_block_size; a cpu "
-                                                "bundle compiled with --speculative dspark, or --draft-checkpoint)"),
+                                                "chunk call (0 = off; at most the model's dspark_block_size; one "
+                                                "--prompt, not --prompts-file; a cpu bundle compiled with "
+                                                "--speculative dspark, or --draft-checkpoint)"),
     draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
                                                     help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
                                                          "instead of the bundle's own; the drafter runs eagerly "
@@ -284,6 +285,8 @@ def run_cmd(
     _check_speculation_flags(speculative_tokens, draft_checkpoint)
     if speculative_tokens and prompt is None:
         raise UserError("--speculative-tokens runs one --prompt (not --prompts-file)")
+    if speculative_tokens and read_sharded(bundle) is not None:
+        raise UserError("--speculative-tokens: a sharded bundle (--tp) does not speculate; run a one-process bundle")
     if speculative_tokens:
         _run_speculative(bundle, verify_key, prompt, max_new_tokens, temperature, top_p, seed, stats,
                          speculative_tokens, draft_checkpoint)
@@ -327,7 +330,8 @@ def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_
         _print("stderr", f"speculative k={k}: {len(spec.accepted)} verify steps, mean acceptance length "
                          f"{spec.mean_acceptance:.2f} tokens a step (draft j kept/offered: {per}); verify "
                          f"{spec.verify_seconds:.3f} s, replay {spec.replay_seconds:.3f} s ({spec.replays} steps), drafter "
-                         f"{spec.draft_seconds:.3f} s (eager); total {seconds:.3f} s")
+                         f"{spec.draft_seconds:.3f} s (eager); {spec.tokens} tokens in {seconds:.3f} s, prefill "
+                         f"included ({spec.tokens / seconds:.2f} tokens/s)")
 
 
 def _check_speculation_flags(speculative_tokens: int, draft_checkpoint: Optional[Path]) -> None:
@@ -347,22 +351,23 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import bundle_drafter, load_drafter
     from dsneuron.runtime_min.bundle.schema import BundleError
+    from dsneuron.runtime_min.core.speculative import RunnerTarget
 
     cfg = ModelConfig.from_dict(session.manifest.model_config)
     if not cfg.n_mtp_layers:
         raise UserError(f"{bundle}: the model has no DSpark stages (n_mtp_layers = 0)")
     if not 1 <= k <= cfg.dspark_block_size:
         raise UserError(f"--speculative-tokens must be in 1..{cfg.dspark_block_size} (dspark_block_size), got {k}")
+    if draft_checkpoint is None and session.runner.bundle.speculative != "dspark":
+        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
+                        "give --draft-checkpoint CKPT")
+    RunnerTarget(session.runner)  # a bundle that cannot verify is refused before the drafter loads
     if draft_checkpoint is not None:
         return load_drafter(draft_checkpoint, cfg, session.max_capacity, order="fused")
     try:
-        drafter = bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused")
+        return bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused")
     except ValueError as e:
         raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
-    if drafter is None:
-        raise UserError(f"--speculative-tokens: {bundle} carries no drafter; compile it with --speculative dspark, or "
-                        "give --draft-checkpoint CKPT")
-    return drafter
 
 
 def _print(stream: str, text: str) -> None:
@@ -632,9 +637,13 @@ def inspect_cmd(
     console.print(f"toolchain: python {tc.get('python')}, torch {tc.get('torch')}, {tc.get('machine')}, "
                   f"cpu isa {' '.join(tc.get('cpu_isa') or []) or '-'}")
     console.print(f"compiler: {m.compiler.get('backend')} flags {m.compiler.get('flags')}; custom ops {m.compiler.get('custom_ops')}")
-    console.print(f"numerics: {m.numerics}" + (" (bit-identical to the golden on every host)" if m.numerics == "exact" else
-                                               " (bf16 dot products: deterministic on one host; compare within the "
-                                               "fast floors)"))
+    if m.target != "cpu":
+        console.print("numerics: the neuron target's (each FP8/FP4 GEMM one fp32 GEMM over the whole K: within the "
+                      "floors of the golden, not its bits; docs/neuron.md)")
+    else:
+        console.print(f"numerics: {m.numerics}" + (" (bit-identical to the golden on every host)" if m.numerics == "exact"
+                                                   else " (bf16 dot products: deterministic on one host; compare within "
+                                                        "the fast floors)"))
     if m.compile_config.get("speculative", "none") != "none":
         from safetensors import safe_open
 
@@ -644,8 +653,8 @@ def inspect_cmd(
                 with safe_open(str(root / rel), framework="pt") as f:
                     n_mtp += sum(n.startswith("mtp.") for n in f.keys())
         console.print(f"speculative: {m.compile_config['speculative']} (the drafter's {n_mtp} mtp.* tensors in the weights "
-                      f"file, block size {m.model_config.get('dspark_block_size')}; `run --speculative-tokens K` drafts "
-                      "with them eagerly)")
+                      f"file, not counted below, block size {m.model_config.get('dspark_block_size')}; `run` and "
+                      "`serve --speculative-tokens K` draft with them eagerly)")
     shard = m.compiler.get("shard")
     if shard:
         console.print(f"shard: rank {shard['rank']} of a sharded bundle of tp={shard['tp']}, ep={shard['ep']} "

@@ -122,7 +122,7 @@ class SpecStats:
     """What speculation did: accepted[i] the tokens one verify step emitted for one row (1 + the
     drafts kept), per_position[j] how often draft j was kept, proposed[j] how often it was offered;
     verify_seconds / replay_seconds / draft_seconds: time in the verify calls, the state replays, the
-    drafter."""
+    drafter; tokens: the new tokens emitted."""
 
     accepted: list[int] = field(default_factory=list)
     per_position: list[int] = field(default_factory=list)
@@ -131,6 +131,8 @@ class SpecStats:
     replay_seconds: float = 0.0
     draft_seconds: float = 0.0
     replays: int = 0
+    #: new tokens emitted, over the rows (EOS included)
+    tokens: int = 0
 
     @property
     def mean_acceptance(self) -> float:
@@ -233,6 +235,7 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
         stats.draft_seconds += time.perf_counter() - t0
         last = torch.where(torch.tensor(done), last, v.pos + keep - 1)
         token = nxt
+    stats.tokens = sum(len(o) for o in out)
     return Generation(out, out_logits, state, stats)
 
 
