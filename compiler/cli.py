@@ -95,6 +95,12 @@ def inspect_checkpoint_cmd(
     inspect_checkpoint(path, stats=stats, console=console)
 
 
+def _draft_checkpoint_option() -> Any:
+    """The --draft-checkpoint option of the commands that speculate (run, serve)."""
+    return typer.Option(None, "--draft-checkpoint", help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
+                                                         "instead of the bundle's own (eager, not compiled)")
+
+
 def _verify_key_option() -> Any:
     """The --verify-key option of the commands that open a bundle (run, inspect, compare)."""
     from dsneuron.runtime_min.bundle.signing import VERIFY_KEY_ENV
@@ -266,10 +272,7 @@ def run_cmd(
                                                 "chunk call (0 = off; at most the model's dspark_block_size; one "
                                                 "--prompt, not --prompts-file; a cpu bundle compiled with "
                                                 "--speculative dspark, or --draft-checkpoint)"),
-    draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
-                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
-                                                         "instead of the bundle's own; the drafter runs eagerly "
-                                                         "(not compiled)"),
+    draft_checkpoint: Optional[Path] = _draft_checkpoint_option(),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Verify a bundle, generate from a prompt and stream the text to stdout."""
@@ -466,9 +469,7 @@ def serve_cmd(
                                                 "them in one chunk call (0 = off; at most the model's "
                                                 "dspark_block_size; a cpu bundle compiled with --speculative dspark, or "
                                                 "--draft-checkpoint)"),
-    draft_checkpoint: Optional[Path] = typer.Option(None, "--draft-checkpoint",
-                                                    help="the checkpoint folder whose mtp.* (DSpark) weights draft, "
-                                                         "instead of the bundle's own (eager, not compiled)"),
+    draft_checkpoint: Optional[Path] = _draft_checkpoint_option(),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
     """Serve a bundle over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models,

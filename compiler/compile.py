@@ -189,12 +189,8 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         from dsneuron.runtime_min.bundle.signing import check_private_key
 
         check_private_key(sign_key)
-    plan = plan_buckets(compile_cfg, model_cfg)
-    staged = target == "cpu" and callable(getattr(parts.steps, "stages", None))
-    if staged:
-        plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
-    if compile_cfg.chunked_prefill and (staged or callable(getattr(parts.steps, "chunk", None))):
-        plan = plan.with_chunks()
+    plan = bucket_plan(compile_cfg, model_cfg, parts.steps, target)
+    staged = is_staged(parts.steps, target)
     rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-stablehlo" if stablehlo_only else target)
             for pb in plan.buckets}
     if staged:
@@ -375,6 +371,25 @@ def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
     if model_cfg.candidate_source_layer >= 0:
         ratios.append(model_cfg.compress_ratios[model_cfg.candidate_source_layer] * model_cfg.candidate_block_size)
     return max(2, math.lcm(*ratios or [1]))
+
+
+def is_staged(steps: Any, target: str) -> bool:
+    """Whether `target` compiles the buckets of `steps` (a StepFactory) stage by stage: the cpu
+    target, for a factory that splits its steps into stages."""
+    return target == "cpu" and callable(getattr(steps, "stages", None))
+
+
+def bucket_plan(compile_cfg: CompileConfig, model_cfg: ModelConfig, steps: Any, target: str) -> BucketPlan:
+    """The buckets `compile_bundle` compiles for `target`: the config's plan (plan_buckets, which
+    raises ConfigError), with one dynamic prefill bucket per batch size where the target is staged,
+    and chunk buckets where compile.chunked_prefill asks for them and `steps` can build them."""
+    plan = plan_buckets(compile_cfg, model_cfg)
+    staged = is_staged(steps, target)
+    if staged:
+        plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
+    if compile_cfg.chunked_prefill and (staged or callable(getattr(steps, "chunk", None))):
+        plan = plan.with_chunks()
+    return plan
 
 
 def step_graph(steps: Any, pb: PlannedBucket) -> StepGraph:

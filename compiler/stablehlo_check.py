@@ -243,8 +243,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .buckets import plan_buckets
-    from .compile import build_steps_for_config
+    from .compile import bucket_plan, build_steps_for_config
     from .config import check_indexer, load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -257,9 +256,7 @@ def main() -> None:
     if a.indexer:
         compile_cfg = dataclasses.replace(compile_cfg, indexer=check_indexer(a.indexer, "--indexer"))
     parts = build_steps_for_config(model_cfg, compile_cfg, target="neuron")
-    plan = plan_buckets(compile_cfg, model_cfg)
-    if compile_cfg.chunked_prefill:
-        plan = plan.with_chunks()
+    plan = bucket_plan(compile_cfg, model_cfg, parts.steps, "neuron")
     console = Console(width=max(Console().width, 200))
     table = Table("bucket", "export s", "lower s", "XLA s", "run s", "KiB", "dot", "gather", "scatter", "sort", "while",
                   "comp.", "f8", "f64", "i64", "max const", "1-cos", "floor", title="StableHLO per bucket")

@@ -86,8 +86,8 @@ from . import select
 from .checks import ParamError, check_generation
 from .prefix_cache import PrefixCache
 from .runner import PrefillJob, Runner, State
-from .sampling import probabilities, sample
-from .speculative import RunnerTarget, SpecRow, Speculation, accept_greedy, accept_sampled
+from .sampling import sample
+from .speculative import RunnerTarget, SpecRow, Speculation, accept
 
 #: OpenAI's limit on `stop` sequences (API reference, "stop": up to 4 sequences)
 MAX_STOP = 4
@@ -523,13 +523,11 @@ class Scheduler:
                 v = self._target.verify(torch.cat([token.view(1, 1), drafts[:, :n]], dim=1), torch.tensor([last + 1]),
                                         torch.tensor([1 + n]), row.state)
                 lg = v.logits[0, :n + 1]
-                if n == 0:
+                if n == 0:  # the plain decode step's sampling, under the request's mask
                     a, nxt = 0, int(sample(lg[:1], r.temperature, r.top_p, r._generator, r._allowed())[0])
-                elif r.temperature == 0.0:
-                    a, nxt = accept_greedy(drafts[0, :n], lg)
                 else:
-                    a, nxt = accept_sampled(drafts[0, :n], probabilities(lg, r.temperature, r.top_p), q[0, :n],
-                                            r._generator)
+                    a, nxt = accept(drafts[0, :n], lg, None if q is None else q[0, :n], r.temperature, r.top_p,
+                                    r._generator)
                 keep = torch.tensor([1 + a])
                 row.state = self._target.commit(v, keep)
                 row.cache = spec.drafter.seed(row.cache, v.main_hidden, v.pos, keep)

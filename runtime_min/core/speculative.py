@@ -69,6 +69,16 @@ def accept_sampled(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     return k, int(torch.multinomial(p[k], 1, generator=generator))
 
 
+def accept(drafts: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, temperature: float, top_p: float,
+           generator: torch.Generator | None) -> tuple[int, int]:
+    """One row's acceptance (module docstring, step 3): `accept_greedy` at temperature 0, else
+    `accept_sampled` against the target's p = probabilities(logits, temperature, top_p). drafts
+    int64 [k], logits fp32 [k+1, V], q float64 [k, V] (None at temperature 0) -> (a, next)."""
+    if temperature == 0.0:
+        return accept_greedy(drafts, logits)
+    return accept_sampled(drafts, probabilities(logits, temperature, top_p), q, generator)
+
+
 # ----------------------------------------------------------------------------------------- protocols
 @dataclass
 class Verified:
@@ -209,10 +219,7 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
                 continue
             n = int(kb[b])
             lg = v.logits[b, :n + 1]
-            if temperature == 0.0:
-                a, t = accept_greedy(drafts[b, :n], lg)
-            else:
-                a, t = accept_sampled(drafts[b, :n], probabilities(lg, temperature, top_p), q[b, :n], generator)
+            a, t = accept(drafts[b, :n], lg, None if q is None else q[b, :n], temperature, top_p, generator)
             new = [int(x) for x in drafts[b, :a]] + [t]
             for j, x in enumerate(new):
                 out[b].append(x)
