@@ -16,9 +16,10 @@ any model tensor (the model is built on fake tensors, torch._subclasses.FakeTens
   the formulas against a count of their torch references): sparse_attn 4*B*S*H*K*D (q.k and P@V
   over the K index slots, empty slots included, as the kernel processes them), mqa_logits_bf16
   2*B*S*H*T*D. The per-token stages (embedding, engram, MoE half; graphs/stages.py `per_token`) are
-  counted on one token and multiplied by the bucket's token count, so the MoE counts the routed
-  experts only (k of E per token) - the neuron prefill graph as written runs every expert densely
-  on every token, E/k times that work (noted in README). The head reads one position per row.
+  counted on one token and multiplied by the bucket's token count; the routed experts' count is
+  then multiplied by the rows the exported MoE computes per routed pair (`expert_rows_factor`: the
+  blockwise layout's padding, graphs/moe_blocks.py, at most 1.25x, or E/k where every expert on
+  every token is fewer rows). The head reads one position per row.
 - Weight bytes held by the rank, in checkpoint formats (FP8 e4m3 + UE8M0 scales, FP4 experts,
   bf16/fp32 small tensors), summed over graphs/spec.py `checkpoint_spec` with the parallel rule
   below, so they agree with a real checkpoint's safetensors headers. DSpark (mtp.*) tensors are not
@@ -263,10 +264,11 @@ def count_flops(cfg: ModelConfig, par: Parallel, max_seq_len: int, b: PlannedBuc
             outs = st.module(*run_args)
         flops: dict[str, float] = {}
         counts = {name: sum(v.values()) for name, v in fc.get_flop_counts().items() if name != "Global"}
+        rows = expert_rows_factor(cfg, st.module.layer, scale) if st.kind.startswith("ffn") else 1.0
         for fqn, n in _exclusive(counts).items():
             if n:
                 where = placement(cfg, par, _module_key(st, fqn))
-                flops[where] = flops.get(where, 0) + n * scale
+                flops[where] = flops.get(where, 0) + n * scale * (rows if where == EXPERTS else 1)
         per_key[(st.kind, *((tuple(a.shape), a.dtype) for a in args))] = flops
         if scale != 1:  # outputs at the bucket's token count
             outs = tuple(torch.empty((args[0].shape[0], args[0].shape[1], *o.shape[2:]), dtype=o.dtype) for o in outs)
@@ -278,6 +280,25 @@ def count_flops(cfg: ModelConfig, par: Parallel, max_seq_len: int, b: PlannedBuc
     if b.kind == "decode":
         by_where = {w: n / b.batch for w, n in by_where.items()}
     return flops_per_rank(cfg, par, by_where), by_where
+
+
+def expert_rows_factor(cfg: ModelConfig, layer: int, tokens: int) -> float:
+    """The expert rows the exported MoE of `layer` computes for a call of `tokens` tokens, over its
+    routed (token, expert) pairs (graphs/model.py MoE.forward, routed=False): 1 for a call routing
+    fewer pairs than experts (each pair gathers its expert), the blockwise layout's n_blocks *
+    block / pairs (graphs/moe_blocks.py, at most PAD_LIMIT), or E / k for every expert on every
+    token where that is fewer rows. Counted with the model's experts: an expert-parallel rank's
+    own layout is not modelled."""
+    from dsneuron.graphs.moe_blocks import block_size, n_blocks, use_blocks
+
+    n_exp, k = cfg.moe_experts(layer)
+    pairs = tokens * k
+    if pairs < n_exp:
+        return 1.0
+    if not use_blocks(tokens, k, n_exp):
+        return n_exp / k
+    block = block_size(pairs, n_exp)
+    return n_blocks(pairs, n_exp, block) * block / pairs
 
 
 def flops_per_rank(cfg: ModelConfig, par: Parallel, by_where: dict[str, float]) -> list[float]:
@@ -473,7 +494,7 @@ def render_contexts(rows: list[ContextRow], have: int, console) -> None:
 
     t = Table("capacity", "state MiB / seq", "decode need GiB", "verdict", "decode read GiB", "roofline ms/token",
               "chunk", "chunk FLOPs", "chunk need GiB", "verdict", "chunk roofline ms", "chunks to fill",
-              title=f"long contexts, batch 1, worst rank (have {_g(have)} GiB); decode reads the whole state")
+              title=f"long contexts, batch 1, worst rank (have {_g(have)} GiB); decode reads its state (of the compressed KV, the rows it attends)")
     for x in rows:
         t.add_row(f"{x.capacity:,}", f"{x.state / 2**20:.1f}", _g(x.decode_need),
                   "fits" if x.decode_need <= have else f"short by {_g(x.decode_need - have)}",
@@ -611,9 +632,9 @@ def make_plan(model_cfg: ModelConfig, compile_cfg: CompileConfig, target: str = 
         out.append(BucketRow(b.label, b.kind, b.batch, b.seq_len, b.capacity, flops, held,
                              state_bytes(model_cfg, b.batch, b.capacity), act, where, copies, by_where))
     notes = [
-        "FLOPs count the routed experts only (k of E per token); the neuron prefill graph as written "
-        f"runs all {model_cfg.n_routed_experts} experts densely, {model_cfg.n_routed_experts / model_cfg.n_activated_experts:.0f}x "
-        "the routed expert work.",
+        "FLOPs count the expert rows the graphs compute: a prefill's or chunk's (token, expert) pairs "
+        "in expert blocks, padded, over the routed pairs "
+        f"({', '.join(f'{b.label} {expert_rows_factor(model_cfg, 0, b.batch * b.seq_len):.2f}x' for b in plan.buckets if b.kind != 'decode')}).",
         "Weights in checkpoint formats; the bundle stores attn.wo_a dequantised to bf16, which adds to these "
         "(the cpu kernels read the head as its stored bf16 and the FP8/FP4 scales widened to fp32: "
         "graphs/kernel_weights.py).",

@@ -23,12 +23,13 @@ graphs/rope.py, mHC in graphs/mhc.py. Where this module's structure differs on p
   a prefix cache and a speculative verify need, and a padded prompt runs like the unpadded one.
 - Per-row positions. A batch may mix prompt lengths (prefill `valid_len[B]`) and decode positions
   (`pos[B]`); ring slots, compressor completion and cache writes are selected per row with masks.
-- The MoE of the exported steps has static shapes. A prefill runs every expert on every token
-  with weight 0 where the token is not routed, as one batched GEMM over the stacked experts; adding
-  an exact zero leaves the fp32 sum bit-identical to the reference's routed loop, which the eager
-  golden uses (`MoE.forward(routed=True)`). A decode step (tokens * topk < experts) gathers the
-  packed weights of each token's topk experts and dequantises only those, and adds the experts in
-  ascending id order, as the routed loop does.
+- The MoE of the exported steps has static shapes. A prefill or chunk groups its (token, expert)
+  pairs by expert into fixed-size blocks, one gathered expert per block (graphs/moe_blocks.py:
+  at most 1.25x the routed rows whatever the routing), unless every expert on every token (weight
+  0 where not routed) computes no more rows; a decode step (tokens * topk < experts) gathers the
+  packed weights of each token's topk experts. Each token's experts are added in ascending id
+  order, as the reference's routed loop, which the eager golden uses (`MoE.forward(routed=True)`),
+  does; an added exact 0 leaves the fp32 sum unchanged.
 - No per-head RMS rescale of q: V4-Flash had one, the V4.1 code does not (model.py Attention.forward).
 - Chunks. The reference prefills only at position 0 and decodes one token at a time; a chunk (a
   prefill continuing from state at any position, StepInputs.chunk) has no counterpart there, so it
@@ -59,6 +60,7 @@ from .context import Capture, StepInputs, record, step_inputs
 from .dispatch import (fp4_index_scores, fp4_qdq, fp8_qdq, grouped_gemm, kernel_experts, kernel_fp8_activation, kernel_gemm,
                        kernel_mean_square, official_index_scores, plain_fmt, sparse_attn, state_bytes, state_values)
 from .mhc import hc_post, hc_pre, hc_split_sinkhorn
+from .moe_blocks import block_groups, route_blocks, use_blocks
 from .numerics import NUMERICS, ieee_sqrt, row_sigmoid, row_softplus, stable_topk_indices
 from .quant import (COMPRESS_KV_FORMAT, INDEX_K_FORMAT, add_blocks, block_partials, dequant_fp4_weight, dequant_fp8_weight,
                     experts_linear, fp8_activation, fp8_linear, linear_fp32, window_format)
@@ -618,8 +620,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, routed: bool = False, capture: Capture | None = None, prefix: str = "") -> torch.Tensor:
         """x bf16 [B,S,D] -> bf16 [B,S,D]. routed=True loops over the experts, each on its tokens
         (eager golden). routed=False has static shapes for export: when the call routes fewer
-        (token, expert) pairs than there are experts (B*S*topk < E: decode), only those experts' weights
-        are gathered and dequantised; otherwise every expert runs densely with zero weights."""
+        (token, expert) pairs than there are experts (B*S*topk < E: decode), each pair gathers its
+        expert's weights; otherwise the pairs run in expert blocks (`_blockwise`), or every expert
+        on every token with weight 0 where not routed when that computes no more rows
+        (graphs/moe_blocks.py use_blocks; adding an exact 0 leaves the fp32 sum unchanged)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
@@ -646,6 +650,8 @@ class MoE(nn.Module):
                                 ids.reshape(-1)).view(x.size(0), k, -1)  # bf16 [N, k, D]
             for j in range(k):
                 y = y + out[:, j]
+        elif use_blocks(x.size(0), self.gate.topk, self.n_experts):
+            y = self._blockwise(x, weights, indices, y)
         else:
             dense = torch.zeros(x.size(0), self.n_experts, dtype=torch.float32, device=x.device).scatter(1, indices, weights)
             out = self._experts(x, dense.t().unsqueeze(-1))  # bf16 [E, N, D]
@@ -653,6 +659,25 @@ class MoE(nn.Module):
                 y = y + out[e]
         y = y + self.shared_experts(x)
         return y.to(x.dtype).view(shape)
+
+    def _blockwise(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y fp32 [N, D] plus the routed experts of x bf16 [N, D] (weights fp32 [N, k], indices int64
+        [N, k]) in the blockwise layout (graphs/moe_blocks.py): the pairs grouped by expert into
+        fixed-size blocks, one gathered expert per block, so the call computes at most PAD_LIMIT
+        times the routed rows whatever the routing. Each token then adds its k outputs in ascending
+        expert id, as the routed loop does; every expert row is the routed loop's row."""
+        r = route_blocks(indices, weights, self.n_experts)
+        N, D = x.shape
+        rows = torch.cat([x, x.new_zeros(1, D)])[r.slot_token].view(-1, r.block, D)
+        slot_weight = r.slot_weight.view(-1, r.block, 1)
+        out = torch.cat([self._experts(rows[g.start:g.stop], slot_weight[g.start:g.stop], r.block_expert[g.start:g.stop])
+                         for g in block_groups(rows.size(0), self.n_experts)])  # bf16 [NB, block, D]
+        per_pair = out.reshape(-1, D)[r.pair_slot].view(N, -1, D)  # bf16 [N, k, D]
+        perm = indices.sort(dim=-1).indices
+        per_pair = per_pair.gather(1, perm.unsqueeze(-1).expand(-1, -1, D))
+        for j in range(per_pair.size(1)):
+            y = y + per_pair[:, j]
+        return y
 
     def _stacked(self, which: str, ids: torch.Tensor | None) -> torch.Tensor:
         """fp32 [E', out, in]: the `which` (w1/w2/w3) projection of every routed expert (ids None,
