@@ -37,7 +37,8 @@ class PlannedBucket:
     """One shape to compile. kind "prefill": seq_len tokens per call, its state at `capacity`;
     kind "decode": one token per call (seq_len 1) against a state of `capacity` positions; kind
     "chunk": seq_len tokens per call continuing a state of `capacity` positions (a chunked
-    prefill's later chunks, graphs/steps.py prefill_chunk)."""
+    prefill's later chunks, graphs/steps.py prefill_chunk); kind "verify": a chunk returning every
+    position's logits and main_hidden (speculative decoding's verify, graphs/steps.py verify_chunk)."""
 
     kind: str
     batch: int
@@ -78,6 +79,8 @@ class BucketPlan:
     chunk_capacities: tuple[int, ...] = ()
     #: the batch sizes of the decode buckets (batch_sizes plus compile.decode_batch_sizes)
     decode_batches: tuple[int, ...] = ()
+    #: > 0: the tokens of a verify bucket per batch size and decode capacity (`with_verify`)
+    verify_len: int = 0
 
     @property
     def prefill(self) -> tuple[PlannedBucket, ...]:
@@ -108,6 +111,19 @@ class BucketPlan:
         return tuple(PlannedBucket("chunk", b, P, c, self.min_prefill, self.prefill_step)
                      for b in self.batch_sizes for c in self.chunk_capacities)
 
+    def with_verify(self, tokens: int) -> "BucketPlan":
+        """The plan plus one verify bucket of `tokens` tokens (1 + the drafter's block: the last
+        accepted token and its drafts) per batch size and decode capacity: a verify continues a
+        decode state of any length, at the smallest capacity holding it, as a decode step does."""
+        return dataclasses.replace(self, verify_len=tokens)
+
+    @property
+    def verify(self) -> tuple[PlannedBucket, ...]:
+        if not self.verify_len:
+            return ()
+        return tuple(PlannedBucket("verify", b, self.verify_len, c) for b in self.batch_sizes
+                     for c in self.decode_capacities)
+
     @property
     def decode(self) -> tuple[PlannedBucket, ...]:
         return tuple(PlannedBucket("decode", b, 1, c) for b in self.decode_batches or self.batch_sizes
@@ -115,7 +131,7 @@ class BucketPlan:
 
     @property
     def buckets(self) -> tuple[PlannedBucket, ...]:
-        return self.prefill + self.decode + self.chunk
+        return self.prefill + self.decode + self.chunk + self.verify
 
     def capacity_for(self, seq_len: int) -> int:
         """The decode capacity a prefill of `seq_len` hands its state to: the smallest >= seq_len."""

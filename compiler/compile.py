@@ -35,7 +35,7 @@ import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle.bundle import check_target, host_toolchain
 from dsneuron.runtime_min.bundle.schema import (CHUNK_SCHEMA_VERSION, IN_PLACE_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION,
-                                                SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
+                                                SCHEMA_VERSION, TOKENIZER_DIR, VERIFY_SCHEMA_VERSION, WEIGHT_FILES_SCHEMA_VERSION,
                                                 WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError, Manifest, StateEntry,
                                                 TensorSpec, Tokenizer, bucket_file, dtype_name, shard_record,
                                                 written_in_place)
@@ -327,6 +327,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             prepare=recipes, weight_files=weight_files, numerics=compile_cfg.numerics,
             schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
                                CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION,
+                               VERIFY_SCHEMA_VERSION if plan.verify else SCHEMA_VERSION,
                                NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION,
                                IN_PLACE_SCHEMA_VERSION if any(map(written_in_place, buckets)) else SCHEMA_VERSION))
         from dsneuron.runtime_min.bundle.signing import sign_bundle
@@ -382,26 +383,30 @@ def is_staged(steps: Any, target: str) -> bool:
 def bucket_plan(compile_cfg: CompileConfig, model_cfg: ModelConfig, steps: Any, target: str) -> BucketPlan:
     """The buckets `compile_bundle` compiles for `target`: the config's plan (plan_buckets, which
     raises ConfigError), with one dynamic prefill bucket per batch size where the target is staged,
-    and chunk buckets where compile.chunked_prefill asks for them and `steps` can build them."""
+    chunk buckets where compile.chunked_prefill asks for them and `steps` can build them, and, for
+    speculative decoding on a target that is not staged (whose verify cannot tap a chunk bucket),
+    verify buckets of 1 + dspark_block_size tokens."""
     plan = plan_buckets(compile_cfg, model_cfg)
     staged = is_staged(steps, target)
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
     if compile_cfg.chunked_prefill and (staged or callable(getattr(steps, "chunk", None))):
         plan = plan.with_chunks()
+    if compile_cfg.speculative == "dspark" and not staged and callable(getattr(steps, "verify", None)):
+        plan = plan.with_verify(1 + model_cfg.dspark_block_size)
     return plan
 
 
 def step_graph(steps: Any, pb: PlannedBucket) -> StepGraph:
-    """The single-graph step of bucket `pb` (prefill, decode or chunk) from a StepFactory. Raises
-    CompileError for a chunk bucket of a factory without chunk graphs."""
+    """The single-graph step of bucket `pb` (prefill, decode, chunk or verify) from a StepFactory.
+    Raises CompileError for a chunk or verify bucket of a factory without such graphs."""
     if pb.kind == "prefill":
         return steps.prefill(pb.batch, pb.seq_len, pb.capacity)
     if pb.kind == "decode":
         return steps.decode(pb.batch, pb.capacity)
-    if not callable(getattr(steps, "chunk", None)):
-        raise CompileError(f"{pb.label}: this model's steps have no chunk graph")
-    return steps.chunk(pb.batch, pb.seq_len, pb.capacity)
+    if not callable(getattr(steps, pb.kind, None)):
+        raise CompileError(f"{pb.label}: this model's steps have no {pb.kind} graph")
+    return getattr(steps, pb.kind)(pb.batch, pb.seq_len, pb.capacity)
 
 
 def export_bucket(parts: ModelParts, pb: PlannedBucket, backend: Backend) -> tuple[dict[str, Any], torch.export.ExportedProgram]:

@@ -120,20 +120,18 @@ def check_speculative(value: Any, where: str) -> str:
 
 def check_speculative_plan(compile_cfg: "CompileConfig", model_cfg: ModelConfig, target: str, tp: int = 1) -> None:
     """ConfigError when compile_cfg.speculative cannot be served by this compile: DSpark needs the
-    model's DSpark stages (n_mtp_layers >= 1, dspark_target_layer_ids), and its verify runs on the
-    cpu target's staged chunk bucket (chunked_prefill) in one process (no --tp)."""
+    model's DSpark stages (n_mtp_layers >= 1, dspark_target_layer_ids); its verify runs in one
+    process (no --tp), on the cpu target by tapping the staged chunk bucket (compile.chunked_prefill),
+    on the neuron target in verify buckets of its own (compiler/buckets.py `with_verify`)."""
     if compile_cfg.speculative == "none":
         return
     what = f"speculative {compile_cfg.speculative}"
     if not model_cfg.n_mtp_layers or not model_cfg.dspark_target_layer_ids:
         raise ConfigError(f"{what}: the model has no DSpark stages (n_mtp_layers = {model_cfg.n_mtp_layers}, "
                           f"dspark_target_layer_ids = {list(model_cfg.dspark_target_layer_ids)})")
-    if target != "cpu":
-        raise ConfigError(f"{what}: the verify reads the head's and the target layers' inputs at every position, "
-                          "which only the cpu target's staged chunk bucket gives (the neuron target's chunk graph "
-                          "returns the last position's logits)")
-    if not compile_cfg.chunked_prefill:
-        raise ConfigError(f"{what}: needs compile.chunked_prefill (the verify is a chunk of 1 + k tokens)")
+    if target == "cpu" and not compile_cfg.chunked_prefill:
+        raise ConfigError(f"{what}: needs compile.chunked_prefill on the cpu target (its verify is a chunk of 1 + k "
+                          "tokens, read stage by stage)")
     if tp > 1:
         raise ConfigError(f"{what} with --tp {tp}: the verify runs in one process; compile without --tp")
 

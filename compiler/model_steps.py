@@ -25,7 +25,7 @@ from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
-from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX, engram_columns
+from dsneuron.runtime_min.bundle.schema import MAIN_HIDDEN, PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
@@ -74,6 +74,14 @@ class GraphsStepFactory:
         m = steps.ChunkStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
         names = ("tokens", "pos", "valid_len", "engram_ids", *m.state_names)
         return StepGraph(m, tuple(zip(names, m.example_inputs())), self._outputs(m))
+
+    def verify(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
+        """The speculative verify bucket (graphs/steps.py VerifyStep): a chunk of seq_len tokens
+        returning the logits and main_hidden at every position."""
+        m = steps.VerifyStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
+        names = ("tokens", "pos", "valid_len", "engram_ids", *m.state_names)
+        return StepGraph(m, tuple(zip(names, m.example_inputs())),
+                         ("logits", MAIN_HIDDEN, *m.state_names, *(PROBE_PREFIX + n for n in m.probe_names())))
 
     @staticmethod
     def _outputs(m: steps.PrefillStep | steps.DecodeStep | steps.ChunkStep) -> tuple[str, ...]:

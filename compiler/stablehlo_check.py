@@ -1,6 +1,6 @@
 """The neuron path proven on this CPU: each bucket's StableHLO module executed by XLA against the eager step.
 
-    python -m dsneuron.compiler.stablehlo_check --config micro [--indexer kernel] [--json OUT]
+    python -m dsneuron.compiler.stablehlo_check --config micro [--indexer kernel] [--speculative dspark] [--json OUT]
 
 For every bucket of the plan (or those named with --bucket): the neuron export (compiler/export.py
 with the neuron lowering and spelling), its StableHLO module (compiler/stablehlo.py), XLA:CPU's
@@ -244,17 +244,20 @@ def main() -> None:
     from rich.table import Table
 
     from .compile import bucket_plan, build_steps_for_config
-    from .config import check_indexer, load_config
+    from .config import check_indexer, check_speculative, load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="micro")
     ap.add_argument("--indexer", default=None)
+    ap.add_argument("--speculative", default=None, help="dspark: the verify buckets too")
     ap.add_argument("--bucket", action="append", help='a bucket label, e.g. "prefill b1 s16" (default: all)')
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     model_cfg, compile_cfg, _ = load_config(a.config)
     if a.indexer:
         compile_cfg = dataclasses.replace(compile_cfg, indexer=check_indexer(a.indexer, "--indexer"))
+    if a.speculative:
+        compile_cfg = dataclasses.replace(compile_cfg, speculative=check_speculative(a.speculative, "--speculative"))
     parts = build_steps_for_config(model_cfg, compile_cfg, target="neuron")
     plan = bucket_plan(compile_cfg, model_cfg, parts.steps, "neuron")
     console = Console(width=max(Console().width, 200))

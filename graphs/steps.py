@@ -3,6 +3,8 @@
     prefill(tokens[B,S], valid_len[B], engram_ids[B,S,E,C]) -> (logits[B,V] fp32, *state)
     decode(tokens[B,1], pos[B], engram_ids[B,1,E,C], *state) -> (logits[B,V] fp32, *state')
     prefill_chunk(tokens[B,S], pos[B], valid_len[B], engram_ids[B,S,E,C], *state) -> (logits[B,V] fp32, *state')
+    verify_chunk(tokens[B,S], pos[B], valid_len[B], engram_ids[B,S,E,C], *state)
+        -> (logits[B,S,V] fp32, main_hidden[B,S,T*D] bf16, *state')
 
 Prefill starts a sequence at position 0, so it takes no state and returns a complete one. A chunk
 (chunked prefill) continues a sequence from its state: row b's valid_len[b] tokens sit at
@@ -140,6 +142,41 @@ def prefill_chunk(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, v
     return logits, {name: new.get(name, state[name]) for name in state}
 
 
+class _Only(Capture):
+    """A Capture of the named stage tensors alone (what a verify reads), so that the others are
+    neither copied eagerly nor kept in a traced graph."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = frozenset(names)
+
+    def __call__(self, name: str, t: torch.Tensor | None) -> None:
+        if name in self.names:
+            super().__call__(name, t)
+
+
+def verify_chunk(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, valid_len: torch.Tensor,
+                 engram_ids: torch.Tensor, state: dict[str, torch.Tensor], capture: Capture | None = None,
+                 routed: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A speculative verify: `prefill_chunk` of the same inputs (the same state', bit for bit),
+    returning instead of the last token's logits the logits fp32 [B,S,V] at every position (the
+    head on each position's final stream, graphs/dspark.py `logits_from_capture`) and main_hidden
+    bf16 [B,S,T*D] (the stream entering each DSpark target layer's attention, averaged over its hc
+    copies: `main_hidden_from_capture`). Positions past a row's valid_len hold padding's values.
+    capture: a full Capture to record every stage as well (a probe build); else only what the
+    verify reads is recorded. Raises ValueError for a model without DSpark target layers."""
+    from .dspark import logits_from_capture, main_hidden_from_capture, target_stream_names
+
+    cfg = model.cfg
+    if not cfg.dspark_target_layer_ids:
+        raise ValueError("verify_chunk: the model has no DSpark target layers (dspark_target_layer_ids)")
+    L = cfg.n_layers - 1
+    cap = capture if capture is not None else _Only({f"layers.{L}.out", f"layers.{L}.hc_ffn.pre",
+                                                      *target_stream_names(cfg)})
+    _, state = prefill_chunk(model, tokens, pos, valid_len, engram_ids, state, cap, routed)
+    return logits_from_capture(model, cap), main_hidden_from_capture(model, cap, tokens), state
+
+
 class _Probes:
     """Stage probes of a step module: with `probes` set, the step also returns every tensor the
     model's Capture records (graphs.context), in `probe_names()` order, after the state.
@@ -247,3 +284,25 @@ class ChunkStep(PrefillStep):
         with gemm_order(self.order), indexer_mode(self.indexer):
             return prefill_chunk(self.model, tokens, pos, valid_len, engram_ids,
                                  dict(zip(self.state_names, state_tensors)), capture)
+
+
+class VerifyStep(ChunkStep):
+    """Exportable speculative verify (`verify_chunk`) at a fixed batch, a fixed seq_len (1 + k
+    tokens: the last accepted token and k drafts) and the model's context capacity, constructed
+    as PrefillStep: the bucket of a target whose graph cannot be tapped stage by stage (the neuron
+    target's; the cpu target reads the same tensors from its staged chunk bucket).
+
+    forward(tokens int64 [B,S], pos int64 [B], valid_len int64 [B], engram_ids int64 [B,S,E,C], *state)
+        -> (logits fp32 [B,S,V], main_hidden bf16 [B,S,T*D], *state', *probes)
+    """
+
+    def _run(self, tokens, pos, valid_len, engram_ids, *state_tensors, capture: Capture | None = None):
+        with gemm_order(self.order), indexer_mode(self.indexer):
+            return verify_chunk(self.model, tokens, pos, valid_len, engram_ids,
+                                dict(zip(self.state_names, state_tensors)), capture)
+
+    def forward(self, *inputs):
+        cap = Capture() if self.probes else None
+        logits, hidden, state = self._run(*inputs, capture=cap)
+        probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
+        return (logits, hidden, *[state[n] for n in self.state_names], *probes)

@@ -12,8 +12,8 @@ from dsneuron.runtime_min.core.speculative import Verified
 
 class GoldenTarget:
     """The eager golden (graphs/golden.py Golden) as runtime_min/core/speculative.py's Target: prefill
-    and verify are graphs/steps.py prefill / prefill_chunk with a Capture, read at every position
-    (`logits_from_capture`, `main_hidden_from_capture`); commit replays the kept tokens as a chunk
+    reads graphs/steps.py prefill with a Capture at every position (`logits_from_capture`,
+    `main_hidden_from_capture`), verify is graphs/steps.py verify_chunk (the same reads of a chunk); commit replays the kept tokens as a chunk
     from the verify's input state. State: (state tensors, each row's token history for the engram
     hashes)."""
 
@@ -48,14 +48,12 @@ class GoldenTarget:
         return Verified(*v, (state, hist), tokens, torch.zeros(B, dtype=torch.int64), count)
 
     def verify(self, tokens: torch.Tensor, pos: torch.Tensor, count: torch.Tensor, state) -> Verified:
-        from dsneuron.graphs.steps import prefill_chunk
+        from dsneuron.graphs.steps import verify_chunk
 
         tensors, hist = state
-        cap = Capture()
         with torch.inference_mode():
-            _, new = prefill_chunk(self.golden.model, tokens, pos, count, self._engram(hist, tokens, count), tensors, cap,
+            *v, new = verify_chunk(self.golden.model, tokens, pos, count, self._engram(hist, tokens, count), tensors,
                                    routed=True)
-            v = self._read(cap, tokens)
         hist2 = [h[:int(p)] + tokens[b, :int(count[b])].tolist() for b, (h, p) in enumerate(zip(hist, pos))]
         return Verified(*v, (new, hist2), tokens, pos, count, state)
 

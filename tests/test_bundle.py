@@ -189,7 +189,7 @@ def test_truncated_file(copy):
 
 def test_unknown_schema_version(monkeypatch, capsys, copy):
     edit_manifest(copy, lambda m: m.update(schema_version=99))
-    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4, 5, 6\)"):
+    with pytest.raises(BundleError, match=r"schema version 99 is not supported by this runtime \(supported: 1, 2, 3, 4, 5, 6, 7\)"):
         open_bundle(copy)
     for cmd in ("run", "inspect"):
         args = [cmd, str(copy)] + (["--prompt", "hi"] if cmd == "run" else [])
@@ -307,6 +307,43 @@ def test_malformed_manifest_names_the_field(monkeypatch, capsys, copy, change, m
         Session.load(copy)
     assert run_cli(monkeypatch, "run", str(copy), "--prompt", "hi", "--max-new-tokens", "2") == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def _with_verify(m: dict, version: int = 7, logits: list | None = None, hidden: str = "main_hidden") -> None:
+    """Add a verify bucket (b2, 3 tokens, capacity 16) built from the decode bucket of capacity 16."""
+    import copy as copying
+
+    b = copying.deepcopy(_bucket(m, "decode", 16))
+    E, C = b["inputs"][2]["shape"][2:]
+    b.update(kind="verify", seq_len=3)  # its file stays the decode executable: only the manifest is read
+    b["inputs"][:3] = [{"name": "tokens", "shape": [2, 3], "dtype": "int64"}, {"name": "pos", "shape": [2], "dtype": "int64"},
+                       {"name": "valid_len", "shape": [2], "dtype": "int64"},
+                       {"name": "engram_ids", "shape": [2, 3, E, C], "dtype": "int64"}]
+    b["outputs"][:1] = [{"name": "logits", "shape": logits or [2, 3, 258], "dtype": "float32"},
+                        {"name": hidden, "shape": [2, 3, 32], "dtype": "bfloat16"}]
+    m["buckets"].append(b)
+    m["schema_version"] = version
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: _with_verify(m, version=6), r"buckets\[3\]: a verify bucket needs schema version 7 \(the manifest says 6\)"),
+    (lambda m: _with_verify(m, logits=[2, 258]), r"a verify bucket's first output must be the logits float32 "
+                                                 r"\[batch=2, seq_len=3, V > 0\]"),
+    (lambda m: _with_verify(m, hidden="layers.0.kv"), r"a verify bucket's second output must be main_hidden bfloat16"),
+])
+def test_malformed_verify_bucket_names_the_field(copy, change, message):
+    """A verify bucket (schema version 7) returns the logits at every position, then main_hidden;
+    the loader names what is wrong before any executable is touched."""
+    edit_manifest(copy, change)
+    with pytest.raises(BundleError, match=message):
+        Session.load(copy)
+
+
+def test_a_well_formed_verify_bucket_is_read(copy):
+    edit_manifest(copy, _with_verify)
+    m = open_bundle(copy).manifest
+    b = next(b for b in m.buckets if b.kind == "verify")
+    assert (b.batch, b.seq_len, b.capacity, b.length) == (2, 3, 16, 16) and b.outputs[1].name == "main_hidden"
 
 
 def test_executable_argument_count_is_cross_checked(copy):

@@ -125,6 +125,37 @@ def test_dspark_drafter_greedy_equals_plain_decoding(micro_golden, plain, drafte
     assert sum(res.stats.proposed) > 0 and res.stats.mean_acceptance >= 1.0
 
 
+def test_verify_chunk_is_the_decode_steps_at_every_position(micro_golden, plain):
+    """graphs/steps.py verify_chunk (what the neuron target's verify bucket computes): 4 tokens
+    from the prefill's state give plain decoding's logits at every position and its state after
+    the 4 tokens, bit for bit, and main_hidden at each position is the one each decode step
+    reads (`main_hidden_from_capture`); a row's count stops its state where plain decoding's is."""
+    from dsneuron.graphs.context import Capture
+    from dsneuron.graphs.dspark import main_hidden_from_capture
+    from dsneuron.graphs.steps import verify_chunk
+
+    g = micro_golden
+    tokens, chosen, states = plain
+    seq = PROMPT + tokens[:4]
+    feed = torch.tensor([tokens[:4], tokens[:4]])
+    eng = g.engram_ids(torch.tensor([seq]))[:, len(PROMPT):].expand(2, -1, -1, -1).contiguous()
+    state0 = {n: t.expand(2, *t.shape[1:]).clone() for n, t in states[0].items()}
+    pos = torch.tensor([len(PROMPT)] * 2)
+    with torch.inference_mode():
+        logits, hidden, state = verify_chunk(g.model, feed, pos, torch.tensor([4, 2]), eng, state0, routed=True)
+        want_hidden = []
+        for j in range(4):
+            cap = Capture()
+            decode(g.model, feed[:1, j:j + 1], pos[:1] + j, eng[:1, j:j + 1], states[j], cap, routed=True)
+            want_hidden.append(main_hidden_from_capture(g.model, cap, feed[:1, j:j + 1]))
+    assert logits.shape == (2, 4, g.cfg.vocab_size) and hidden.dtype == torch.bfloat16
+    assert all(torch.equal(logits[0, j], chosen[j + 1]) for j in range(4))
+    assert torch.equal(hidden[0], torch.cat(want_hidden, dim=1)[0])
+    for row, n in ((0, 4), (1, 2)):
+        bad = [k for k, t in states[n].items() if not torch.equal(state[k][row].nan_to_num(), t[0].nan_to_num())]
+        assert not bad, (row, bad)
+
+
 def test_dspark_ring_is_written_in_position_order_and_read_only_where_written(drafter):
     """seed: a 20-position prompt at once equals one position at a time (window 16: slot p % 16,
     the newest wins). draft at position 5 reads ring slots 0..5 only (get_dspark_topk_idxs): junk
@@ -556,8 +587,9 @@ def test_compile_config_speculative_values():
 
 
 def test_speculative_plan_refusals(micro_cfg):
-    """`--speculative dspark` needs the model's DSpark stages, the cpu target, the chunk bucket and
-    one process: each refusal a ConfigError naming what is missing."""
+    """`--speculative dspark` needs the model's DSpark stages, one process, and on the cpu target the
+    chunk bucket (its verify taps it; the neuron target compiles verify buckets of its own): each
+    refusal a ConfigError naming what is missing."""
     import dataclasses
 
     from dsneuron.compiler.config import check_speculative_plan, load_config
@@ -565,27 +597,30 @@ def test_speculative_plan_refusals(micro_cfg):
 
     cc = dataclasses.replace(load_config("micro")[1], speculative="dspark")
     check_speculative_plan(cc, micro_cfg, "cpu")  # fine
+    check_speculative_plan(cc, micro_cfg, "neuron-stablehlo")
+    check_speculative_plan(dataclasses.replace(cc, chunked_prefill=False), micro_cfg, "neuron")
     check_speculative_plan(dataclasses.replace(cc, speculative="none"), micro_cfg, "neuron", tp=2)  # nothing asked
     no_mtp = dataclasses.replace(micro_cfg, n_mtp_layers=0)
     for args, msg in [((cc, no_mtp, "cpu"), "the model has no DSpark stages"),
-                      ((cc, micro_cfg, "neuron"), "only the cpu target's staged chunk bucket"),
+                      ((cc, no_mtp, "neuron"), "the model has no DSpark stages"),
                       ((dataclasses.replace(cc, chunked_prefill=False), micro_cfg, "cpu"), "needs compile.chunked_prefill"),
-                      ((cc, micro_cfg, "cpu", 2), "with --tp 2")]:
+                      ((cc, micro_cfg, "cpu", 2), "with --tp 2"),
+                      ((cc, micro_cfg, "neuron", 2), "with --tp 2")]:
         with pytest.raises(ConfigError, match=msg):
             check_speculative_plan(*args)
 
 
 def test_compile_refuses_bad_speculative_flags_before_reading(monkeypatch, capsys, tmp_path):
-    """`compile --speculative`: an unknown method, or dspark on the neuron target, exit 2 before any
-    checkpoint is made; nothing is written."""
+    """`compile --speculative`: an unknown method, or dspark on a model without DSpark stages or
+    with --tp, exit 2 before any checkpoint is made; nothing is written."""
     from stand_in import run_cli
 
     out = tmp_path / "b"
     assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "eagle", "--out", str(out)) == 2
     assert "--speculative: must be one of none, dspark" in capsys.readouterr().err
-    assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "dspark", "--target", "neuron",
-                   "--stablehlo-only", "--out", str(out)) == 2
-    assert "only the cpu target's staged chunk bucket" in capsys.readouterr().err
+    assert run_cli(monkeypatch, "compile", "--config", "micro", "--speculative", "dspark", "--tp", "2",
+                   "--out", str(out)) == 2
+    assert "with --tp 2: the verify runs in one process" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -828,8 +863,9 @@ def test_served_speculation_with_the_openai_client(spec_runner):
 
 def test_runner_target_refuses_a_bundle_without_a_staged_chunk_bucket():
     """Speculation on a bundle whose chunk buckets are single graphs (the neuron target's: they return
-    the last position's logits) or that has none: a BundleError naming what the verify needs, before
-    any request runs (run and serve then exit 2)."""
+    the last position's logits) and that has no verify bucket, or that has neither: a BundleError
+    naming what the verify needs, before any request runs (run and serve then exit 2). A verify
+    bucket (a neuron bundle compiled with --speculative dspark) or a staged chunk bucket serves."""
     from types import SimpleNamespace
 
     from dsneuron.runtime_min.bundle.schema import BundleError
@@ -839,6 +875,7 @@ def test_runner_target_refuses_a_bundle_without_a_staged_chunk_bucket():
                                                         buckets=[SimpleNamespace(kind=k, stages=st) for k, st in buckets]))
 
     for buckets in ([("prefill", ()), ("decode", ())], [("chunk", ()), ("decode", ("s",))]):
-        with pytest.raises(BundleError, match="verifies drafts on a staged chunk bucket"):
+        with pytest.raises(BundleError, match="verifies drafts on a verify bucket .* or a staged chunk bucket"):
             sp.RunnerTarget(runner(*buckets))
     assert sp.RunnerTarget(runner(("chunk", ("s",)))).target_layers == (1,)
+    assert sp.RunnerTarget(runner(("chunk", ()), ("verify", ()))).target_layers == (1,)

@@ -5,9 +5,10 @@ Unit level: each respelling and fix-up of the lowering on a small program, execu
 compared bit for bit with torch; the NKI kernel composite (name, attributes, decomposition) and
 its execution through the decomposition; the portable artifact; the errors.
 
-Model level: `dsneuron compile --config micro --target neuron --stablehlo-only --probes` (every
-micro bucket, as a user runs it), then every bucket's module executed by XLA against the same step
-run eagerly by torch (compiler/stablehlo_check.py), logits within `dsneuron compare`'s floor; and
+Model level: `dsneuron compile --config micro --target neuron --stablehlo-only --probes --speculative
+dspark` (every micro bucket, verify buckets included, as a user runs it), then every bucket's module
+executed by XLA against the same step run eagerly by torch (compiler/stablehlo_check.py), logits
+within `dsneuron compare`'s floor; speculative decoding through the verify modules; and
 stage by stage, `dsneuron compare`'s local re-runs of every stage on the module's own recorded
 inputs: within 2 bf16 ulps or a named deviation (compiler/compare.py `local_deviations`). tiny's
 smallest prefill and decode buckets the same way, in `-m slow`.
@@ -197,8 +198,9 @@ def test_stablehlo_only_is_refused_off_neuron_and_with_sharding(monkeypatch, cap
 # ------------------------------------------------------------------------------------------ micro, every bucket
 @pytest.fixture(scope="module")
 def micro_stablehlo(tmp_path_factory):
-    """`dsneuron compile --config micro --target neuron --stablehlo-only --probes`: all 10 buckets
-    (6 prefill, 2 decode, 2 chunk; about 3 minutes on 2 cores), as a user runs it, in a process of its own: this one may have
+    """`dsneuron compile --config micro --target neuron --stablehlo-only --probes --speculative dspark`:
+    all 12 buckets (6 prefill, 2 decode, 2 chunk, 2 verify; about 4 minutes on 2 cores) and the
+    drafter's tensors, as a user runs it, in a process of its own: this one may have
     JAX's threads up already, after which the compile would not fork its workers (compiler/staged.py
     threaded_runtimes) and run one task at a time."""
     import subprocess
@@ -206,21 +208,33 @@ def micro_stablehlo(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("micro_stablehlo")
     r = subprocess.run([sys.executable, "-m", "dsneuron.compiler.cli", "compile", "--config", "micro", "--target",
-                        "neuron", "--stablehlo-only", "--probes", "--out", str(root / "bundle"), "--cache-dir",
+                        "neuron", "--stablehlo-only", "--probes", "--speculative", "dspark", "--out", str(root / "bundle"), "--cache-dir",
                         str(root / "cache")], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-4000:]
     return root
 
 
-def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composites(micro_stablehlo):
+def _micro_plan():
+    """(model config, the plan `compile --config micro --target neuron --speculative dspark` compiles)."""
     from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.config import load_config
 
+    model_cfg, compile_cfg, _ = load_config("micro")
+    return model_cfg, plan_buckets(compile_cfg, model_cfg).with_chunks().with_verify(1 + model_cfg.dspark_block_size)
+
+
+def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composites(micro_stablehlo):
     bundle = micro_stablehlo / "bundle"
     m = Manifest.from_json((bundle / "manifest.json").read_text())
-    model_cfg, compile_cfg, _ = load_config("micro")
-    assert len(m.buckets) == len(plan_buckets(compile_cfg, model_cfg).with_chunks().buckets) == 10
-    assert sorted(b.kind for b in m.buckets).count("chunk") == 2
+    model_cfg, plan = _micro_plan()
+    assert len(m.buckets) == len(plan.buckets) == 12
+    kinds = sorted(b.kind for b in m.buckets)
+    assert kinds.count("chunk") == kinds.count("verify") == 2
+    verify = next(b for b in m.buckets if b.kind == "verify" and b.batch == 2)
+    T = len(model_cfg.dspark_target_layer_ids)
+    assert [(o.name, o.shape, o.dtype) for o in verify.outputs[:2]] == [
+        ("logits", (2, 4, model_cfg.vocab_size), "float32"), ("main_hidden", (2, 4, T * model_cfg.dim), "bfloat16")]
+    assert m.compile_config["speculative"] == "dspark" and m.schema_version == 7
     assert (m.target, m.compiler["backend"], m.compiler["flags"]) == ("neuron", "stablehlo", ["--stablehlo-only"])
     assert m.compiler["custom_ops"]["dsneuron::sparse_attn"] == "kernel"
     assert m.toolchain["stablehlo"]["artifact"] == TARGET_VERSION and m.toolchain["torch_mlir"]
@@ -245,7 +259,6 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
     averaged over the buckets, within `dsneuron compare`'s floor averaged the same way. Per
     bucket both are one sample of how far micro's random weights carry a last-bit difference (a
     bucket's can be a few times its floor: measured up to 1.7x, at 0.3x on average)."""
-    from dsneuron.compiler.buckets import plan_buckets
     from dsneuron.compiler.compile import build_steps_for_config, step_graph
     from dsneuron.compiler.config import load_config
     from dsneuron.compiler.stablehlo_check import bucket_inputs, compare_outputs, eager_outputs, logits_within_floor
@@ -256,7 +269,7 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
     parts = build_steps_for_config(model_cfg, compile_cfg, micro_stablehlo / "cache", probes=True, target="neuron")
     session = Session.load(micro_stablehlo / "bundle")
     hasher = NgramHasher(parts.host_params["engram"])
-    plan = plan_buckets(compile_cfg, model_cfg).with_chunks()
+    _, plan = _micro_plan()
     measured = {}
     for pb in plan.buckets:
         graph = step_graph(parts.steps, pb)
@@ -268,7 +281,7 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
         assert not [a.name for a in report.outputs if a.zero_mismatch], pb.label
         logits = next(a for a in report.outputs if a.name == "logits")
         assert math.isfinite(logits.max_rel) and logits.cos > 0.9, (pb.label, logits)
-    assert len(measured) == 10
+    assert len(measured) == 12
     bundle, floor = (sum(v[i] for v in measured.values()) / len(measured) for i in (0, 1))
     assert bundle <= floor, measured
 
@@ -297,6 +310,92 @@ def test_a_prompt_runs_as_chunks_on_the_stablehlo_bundle(micro_stablehlo):
     resumed = runner.prefill_job(ids, prefix=(32, runner.snapshot(first.state, 0))).run()
     assert resumed.bucket.kind == "chunk"
     assert torch.equal(resumed.logits[0], chunked.logits[0])
+
+
+class _OracleDrafter:
+    """TEST-ONLY drafter: proposes the continuation of `seqs[b]` (prompt + plain greedy tokens)
+    after the fed token, with draft `wrong_at[b]` replaced by another token in every step (None:
+    never wrong). It reads nothing of the model: the verify's mechanics, not a drafter."""
+
+    block = 3  # micro's dspark_block_size
+
+    def __init__(self, seqs: list[list[int]], wrong_at: list[int | None]):
+        self.seqs, self.wrong_at = seqs, wrong_at
+        self.seeded: list[tuple[int, ...]] = []
+
+    def start(self, batch):
+        return None
+
+    def seed(self, cache, main_hidden, start, count):
+        self.seeded.append(tuple(main_hidden.shape))
+        return None
+
+    def propose(self, cache, token, pos, k, temperature, generator):
+        out = torch.zeros(len(self.seqs), k, dtype=torch.int64)
+        for b, (seq, w) in enumerate(zip(self.seqs, self.wrong_at)):
+            for j in range(k):
+                t = seq[min(int(pos[b]) + 2 + j, len(seq) - 1)]
+                out[b, j] = t + 1 if j == w else t
+        return out, None
+
+
+def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_stablehlo):
+    """DSpark's verify on the neuron target's own buckets, run on XLA:CPU through the runtime: two
+    prompts in one batch, a TEST-ONLY oracle drafter (row 0 always right, row 1 wrong at its
+    second draft), so the rows keep different counts in the same verify calls. Each row's greedy
+    tokens are plain decoding's on the same bundle (prefill and decode modules at batch 1), every
+    kept token's logits within 1 - cos < 0.02 of plain decoding's (the verify module sums in
+    its own order: measured up to 6e-4), the oracle's drafts kept (mean acceptance > 2 of at
+    most 4), and main_hidden seeds the drafter after every verify, bf16 [2, 4, T*D]. Then the
+    bundle's own DSpark drafter (random weights: it keeps ~nothing) gives the same tokens, and
+    the scheduler speculating with it (`serve --speculative-tokens`) the plain scheduler's text."""
+    from dsneuron.compiler.compare import logit_metrics
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import bundle_drafter
+    from dsneuron.runtime_min.core import speculative as sp
+    from dsneuron.runtime_min.session import Session
+
+    runner = Session.load(micro_stablehlo / "bundle").runner
+    cfg = ModelConfig.from_dict(runner.manifest.model_config)
+    prompts = [[5, 17, 23, 99, 1234, 40000], [7, 8, 9, 10]]
+    n = 10
+    plain = []
+    for prompt in prompts:
+        step = runner.prefill([prompt], 1)
+        tokens, chosen, state = [int(step.logits[0].argmax())], [step.logits[0]], step.state
+        while len(tokens) < n:
+            step = runner.decode(torch.tensor([tokens[-1]]), torch.tensor([len(prompt) + len(tokens) - 1]), state)
+            state = step.state
+            tokens.append(int(step.logits[0].argmax()))
+            chosen.append(step.logits[0])
+        plain.append((tokens, chosen))
+    target = sp.RunnerTarget(runner)
+    oracle = _OracleDrafter([p + t for p, (t, _) in zip(prompts, plain)], [None, 1])
+    res = sp.generate(target, oracle, prompts, n, 3)
+    T = len(cfg.dspark_target_layer_ids)
+    assert oracle.seeded and set(oracle.seeded) == {(2, 4, T * cfg.dim)}  # none from the plain prefill
+    for b, (tokens, chosen) in enumerate(plain):
+        assert res.tokens[b] == tokens, b
+        worst = max(1 - logit_metrics(a, c)["cos"] for a, c in zip(res.logits[b], chosen))
+        assert worst < 0.02, (b, worst)
+    kept = res.stats.accepted
+    assert res.stats.mean_acceptance > 2 and 4 in kept and res.stats.replays > 0, kept
+    drafter = bundle_drafter(runner.bundle, cfg, runner.max_capacity, order="fused")
+    assert sp.generate(target, drafter, prompts[:1], n, 3).tokens[0] == plain[0][0]
+
+    from dsneuron.runtime_min.core.scheduler import Request
+    from dsneuron.runtime_min.session import Session
+
+    session = Session(runner)
+
+    def scheduled(speculation=None):
+        sch = session.scheduler(speculation=speculation)
+        reqs = [sch.submit(Request(session.encode(text), max_tokens=8)) for text in ("Hello there", "a")]
+        sch.run()
+        return [(r.generated, r.text, r.finish_reason) for r in reqs]
+
+    speculation = sp.Speculation(drafter, 3)
+    assert scheduled(speculation) == scheduled() and speculation.counts.steps > 0
 
 
 def test_every_micro_stage_is_within_2_ulps_or_a_named_deviation(micro_stablehlo):

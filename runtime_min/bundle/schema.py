@@ -46,6 +46,11 @@ tokens [B, S] int64 (right-padded), pos [B] int64 (each row's first position), v
 int64, engram_ids [B, S, E, C] int64, then the state at `capacity`, like a decode bucket's; the
 file name's length is the capacity, and min_seq_len may give it a range of token counts as a
 prefill's.
+Verify buckets (schema version 7; a speculative decoding verify, graphs/steps.py verify_chunk): a
+chunk bucket's inputs and state, whose outputs are the logits [B, S, V] float32 at every position,
+then `main_hidden` [B, S, T*D] bfloat16 (the stream entering each DSpark target layer's attention,
+averaged over its hc copies, in target order), then the new state: the neuron target's way to
+verify drafts, where the cpu target taps its staged chunk bucket instead.
 
 State across capacities: a state tensor whose shape depends on the context capacity differs from its
 shape at another capacity in exactly one dimension; rows along it are indexed by position (or by a
@@ -69,8 +74,8 @@ from dsneuron.kernels_nki.prepare import PREPARE_FORMATS, Prepare
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
 #: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files,
-#: 4 chunk buckets, 5 numerics "fast", 6 state written in place
-SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+#: 4 chunk buckets, 5 numerics "fast", 6 state written in place, 7 verify buckets
+SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: the version of a manifest whose staged buckets write state in place (`written_in_place`): an
 #: older runtime would hand the stages the caller's own state tensors
 IN_PLACE_SCHEMA_VERSION = 6
@@ -89,12 +94,18 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUCKETS_DIR = "buckets"
-KINDS = ("prefill", "decode", "chunk")
+KINDS = ("prefill", "decode", "chunk", "verify")
 #: the data inputs of each kind, in order, before the state inputs (module docstring)
 DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids"),
-               "chunk": ("tokens", "pos", "valid_len", "engram_ids")}
+               "chunk": ("tokens", "pos", "valid_len", "engram_ids"),
+               "verify": ("tokens", "pos", "valid_len", "engram_ids")}
 #: the version of a manifest with chunk buckets: an older runtime does not know the kind
 CHUNK_SCHEMA_VERSION = 4
+#: the version of a manifest with verify buckets (a speculative verify's chunk returning the logits
+#: fp32 [B, S, V] and MAIN_HIDDEN bf16 [B, S, T*D] at every position): an older runtime does not know the kind
+VERIFY_SCHEMA_VERSION = 7
+#: a verify bucket's second output: the stream entering each DSpark target layer, hc-averaged
+MAIN_HIDDEN = "main_hidden"
 #: wiring values of a staged bucket the runtime derives from its data inputs: "engram_ids.e" (column e
 #: of engram_ids, [B, S, C]) and "last" (int64 [B], the position the head reads: valid_len - 1 in a
 #: prefill, 0 in a decode step)
@@ -249,7 +260,8 @@ class Stage:
 class Bucket:
     """One compiled executable.
 
-    kind: "prefill", "decode" or "chunk" (a prefill continuing from state: module docstring).
+    kind: "prefill", "decode", "chunk" (a prefill continuing from state) or "verify" (a chunk
+        returning every position's logits and main_hidden): module docstring.
     batch: batch dimension B.
     seq_len: tokens per call (prefill, chunk: the bucket's S; decode: 1).
     capacity: context capacity of the state it reads and writes (positions 0..capacity-1).
@@ -579,14 +591,17 @@ def _check_buckets(m: "Manifest") -> None:
         seen[key] = i
         if b.kind == "decode" and b.seq_len != 1:
             raise BundleError(f"{where}.seq_len: a decode bucket takes one token per call (got {b.seq_len})")
-        if b.kind in ("prefill", "chunk") and b.capacity < b.seq_len:
+        if b.kind != "decode" and b.capacity < b.seq_len:
             raise BundleError(f"{where}.capacity: {b.capacity} cannot hold the {b.kind}'s {b.seq_len} positions")
-        if b.kind == "chunk" and m.schema_version < CHUNK_SCHEMA_VERSION:
-            raise BundleError(f"{where}: a chunk bucket needs schema version {CHUNK_SCHEMA_VERSION} (the manifest says "
-                              f"{m.schema_version})")
-        if not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
+        for kind, version in (("chunk", CHUNK_SCHEMA_VERSION), ("verify", VERIFY_SCHEMA_VERSION)):
+            if b.kind == kind and m.schema_version < version:
+                raise BundleError(f"{where}: a {kind} bucket needs schema version {version} (the manifest says "
+                                  f"{m.schema_version})")
+        if b.kind == "verify":
+            _check_verify_outputs(b, where)
+        elif not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
             raise BundleError(f"{where}.outputs: the first output must be the logits [batch={b.batch}, V > 0]")
-        vocab.add(b.outputs[0].shape[1])
+        vocab.add(b.outputs[0].shape[-1])
         engram.add(_check_inputs(b, where, {s.name for s in m.state}))
         if b.stages or b.min_seq_len:
             if m.schema_version < 2:
@@ -615,6 +630,20 @@ def _check_buckets(m: "Manifest") -> None:
             raise BundleError(f"{MANIFEST}: tokenizer.{key} {value} is not a token id in 0..{V - 1}")
 
 
+def _check_verify_outputs(b: Bucket, where: str) -> None:
+    """A verify bucket's first outputs: logits float32 [B, S, V > 0], then MAIN_HIDDEN bfloat16 [B, S, > 0]."""
+    B, S = b.batch, b.seq_len
+    logits, hidden = (b.outputs + (None, None))[:2]
+    if logits is None or logits.name != "logits" or logits.dtype != "float32" or len(logits.shape) != 3 \
+            or logits.shape[:2] != (B, S) or not logits.shape[2]:
+        raise BundleError(f"{where}.outputs: a verify bucket's first output must be the logits float32 [batch={B}, "
+                          f"seq_len={S}, V > 0]")
+    if hidden is None or hidden.name != MAIN_HIDDEN or hidden.dtype != "bfloat16" or len(hidden.shape) != 3 \
+            or hidden.shape[:2] != (B, S) or not hidden.shape[2]:
+        raise BundleError(f"{where}.outputs: a verify bucket's second output must be {MAIN_HIDDEN} bfloat16 "
+                          f"[batch={B}, seq_len={S}, T*D > 0]")
+
+
 def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
     """Check one bucket's inputs (see `_check_buckets`); returns its engram (E, C)."""
     names = DATA_INPUTS[b.kind]
@@ -632,7 +661,7 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
     for spec in b.inputs[len(names):]:
         if spec.name not in state:
             raise BundleError(f"{where}.inputs: {spec.name} is neither a data input nor a state tensor of the manifest")
-    for spec in b.outputs[1:]:
+    for spec in b.outputs[2 if b.kind == "verify" else 1:]:
         if spec.name not in state and not spec.name.startswith(PROBE_PREFIX):
             raise BundleError(f"{where}.outputs: {spec.name} is neither a state tensor nor a probe")
     return engram.shape[2:]

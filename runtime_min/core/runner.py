@@ -50,7 +50,7 @@ from dsneuron import UserError
 
 from ..bundle import schema
 from ..bundle.bundle import Bundle, is_stablehlo, open_bundle
-from ..bundle.schema import PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
+from ..bundle.schema import MAIN_HIDDEN, PROBE_PREFIX, Bucket, BundleError, StateEntry, TensorSpec
 from ..executors.executor_cpu import CpuExecutable, StagedExecutable, register_custom_ops
 from . import select
 from .prefix_cache import Snapshot
@@ -102,6 +102,8 @@ class Step:
     #: {stage name: {wiring name: tensor}}: the inputs of the stages a call tapped
     #: (StagedExecutable.run_tapped; `verify`), else empty
     taps: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: a verify bucket's main_hidden bf16 [B, S, T*D] (then logits is fp32 [B, S, V]), else None
+    main_hidden: torch.Tensor | None = None
 
 
 class PrefillJob:
@@ -410,14 +412,16 @@ class Runner:
                target_layers: Sequence[int], taps: bool = True):
         """A speculative verify (runtime_min/core/speculative.py): row b feeds tokens[b, :count[b]]
         (int64 [B, S], count int64 [B] in 1..S) at positions pos[b].. on its row of `state`, as one
-        call of the chunk bucket of batch B at the smallest capacity holding every row (a chunk:
-        bit-identical to that many decode steps). Returns a speculative.Verified with the logits
-        fp32 [B, S, V] at every position (`_position_logits`) and main_hidden bf16
-        [B, S, T*D] (the stream entering each target layer's attention, averaged over its hc
-        copies); taps=False skips both (a replay). Raises ValueError for rows outside that contract
-        (`check_verify_args`) or no target layer when tapped, BundleError when the chunk bucket is not
-        staged (the cpu target's), ValueError without a chunk bucket of batch B, UserError past the
-        context capacity."""
+        call at the smallest capacity holding every row: of the verify bucket of batch B where the
+        bundle has one (the neuron target's: it returns both reads itself), else of the staged
+        chunk bucket of batch B (the cpu target's), tapped. Either is bit-identical in state to that
+        many decode steps of its target. Returns a speculative.Verified with the logits fp32
+        [B, S, V] at every position and main_hidden bf16 [B, S, T*D] (the stream entering each
+        target layer's attention, averaged over its hc copies); taps=False skips both (a replay).
+        Raises ValueError for rows outside that contract (`check_verify_args`), more tokens a row
+        than the verify bucket takes, or no target layer when tapped; BundleError when the chunk
+        bucket is not staged and there is no verify bucket; ValueError without a bucket of batch B;
+        UserError past the context capacity."""
         from .speculative import Verified
 
         check_verify_args(tokens, pos, count)
@@ -426,27 +430,48 @@ class Runner:
         B, S = tokens.shape
         if self.hasher is not None and state.history is None:
             raise ValueError("verify: this bundle hashes engram ids; the state needs its history [B, H]")
-        capacity = select.pick_chunk_capacity(self._lengths_of("chunk", B), int((pos + count).max()))
-        exe = self.executable("chunk", B, capacity)
+        kind = "verify" if self.lengths("verify", B) else "chunk"
+        capacity = select.pick_chunk_capacity(self._lengths_of(kind, B), int((pos + count).max()))
+        exe = self.executable(kind, B, capacity)
+        if kind == "verify" and S > exe.bucket.seq_len:
+            raise ValueError(f"verify: {S} tokens a row; the verify bucket takes {exe.bucket.seq_len} "
+                             "(1 + the drafter's block, compile --speculative)")
         padded = torch.full((B, exe.bucket.padded_len(S)), self.pad_token_id, dtype=torch.int64)
         padded[:, :S] = tokens
         engram, history = self._hash(padded, state.history, count)
         data = {"tokens": padded, "pos": pos, "valid_len": count, "engram_ids": engram}
-        step = self._call(exe, data, state, history, self._taps(exe, target_layers) if taps else ())
-        logits, hidden = self._tapped_outputs(exe, step, S, target_layers) if taps else (None, None)
+        if kind == "verify":
+            step = self._call(exe, data, state, history)
+            logits, hidden = (step.logits[:, :S], step.main_hidden[:, :S]) if taps else (None, None)
+        else:
+            step = self._call(exe, data, state, history, self._taps(exe, target_layers) if taps else ())
+            logits, hidden = self._tapped_outputs(exe, step, S, target_layers) if taps else (None, None)
         return Verified(logits, hidden, step.state, tokens, pos, count, State(step.state_in, state.history),
                         step.seconds)
+
+    def can_tap_prefill(self, batch: int) -> bool:
+        """Whether `verify_prefill` reads main_hidden at every prompt position for `batch` rows (the
+        cpu target's staged prefill buckets); else it runs the plain prefill and reads none."""
+        lengths = self.lengths("prefill", batch)
+        return bool(lengths) and bool(self.bucket("prefill", batch, lengths[0]).stages)
 
     def verify_prefill(self, prompts: Sequence[Sequence[int]], target_layers: Sequence[int]):
         """`prefill` of the prompts in rows 0.., at the prefill bucket of batch len(prompts), tapped
         as `verify` is: a speculative.Verified with the logits and main_hidden at every prompt
-        position (count: the prompt lengths). Raises as `prefill`, and BundleError for an unstaged
-        prefill bucket."""
+        position (count: the prompt lengths). Where the prefill bucket cannot be tapped
+        (`can_tap_prefill`: a neuron bundle's), the plain prefill: the logits fp32 [B, V] after each
+        prompt and no main_hidden (the drafter starts without its prompt's ring). Raises as
+        `prefill`."""
         from .speculative import Verified
 
         batch = len(prompts)
         prompts = [list(p) for p in prompts]
         longest = max(len(p) for p in prompts)
+        if not self.can_tap_prefill(batch):
+            step = self.prefill(prompts, batch)
+            tokens, valid = select.pad_prompts(prompts, batch, longest, self.pad_token_id)
+            return Verified(step.logits, None, step.state, tokens, torch.zeros(batch, dtype=torch.int64), valid, None,
+                            step.seconds)
         exe = self.executable("prefill", batch, select.pick_prefill(self._lengths_of("prefill", batch), longest))
         tokens, valid = select.pad_prompts(prompts, batch, exe.bucket.padded_len(longest), self.pad_token_id)
         engram, history = self._hash(tokens, self.fresh_state(batch).history, valid)
@@ -530,9 +555,11 @@ class Runner:
         else:
             outs = exe.run(args)
         seconds = time.perf_counter() - t0
-        tensors = {spec.name: t for spec, t in zip(b.outputs[1:], outs[1:]) if not spec.name.startswith(PROBE_PREFIX)}
+        tensors = {spec.name: t for spec, t in zip(b.outputs[1:], outs[1:])
+                   if not spec.name.startswith(PROBE_PREFIX) and spec.name != MAIN_HIDDEN}
         probes = {spec.name[len(PROBE_PREFIX):]: t for spec, t in zip(b.outputs, outs) if spec.name.startswith(PROBE_PREFIX)}
-        return Step(outs[0], State(tensors, history), probes, state_in, seconds, b, tapped)
+        hidden = next((t for spec, t in zip(b.outputs, outs) if spec.name == MAIN_HIDDEN), None)
+        return Step(outs[0], State(tensors, history), probes, state_in, seconds, b, tapped, hidden)
 
     def _state_for(self, bucket: Bucket, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state inputs of `bucket`: carried over (resized to its capacity) or fresh."""

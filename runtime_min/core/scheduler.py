@@ -414,7 +414,8 @@ class Scheduler:
                 if hit is not None and hit[0] == len(ids):
                     self._start_row(r, hit[1].logits[None], self.runner.restore(hit[1]))
                     return
-                if self.speculation is not None and hit is None and not self.runner.needs_chunks(len(ids)):
+                if self.speculation is not None and hit is None and not self.runner.needs_chunks(len(ids)) \
+                        and self.runner.can_tap_prefill(1):
                     self._prefill_seeding(r, t0)
                     return
                 r._job = self.runner.prefill_job(ids, prefix=hit)

@@ -85,16 +85,25 @@ class Verified:
     """One verify (or tapped prefill) call. logits fp32 [B, S, V] at every position; main_hidden
     bf16 [B, S, T*D] at every position; state: the target's state after every row's count[b]
     tokens; tokens int64 [B, S], pos int64 [B] (row b's first position), count int64 [B];
-    state_in: the state the call was given (None for a prefill); seconds: the call's time."""
+    state_in: the state the call was given (None for a prefill); seconds: the call's time.
+    A prefill that could not be read at every position (Runner.verify_prefill on a bundle whose
+    prefill is one graph) has logits fp32 [B, V] after each row's count[b] tokens and main_hidden
+    None: the drafter then starts without the prompt's ring."""
 
     logits: torch.Tensor
-    main_hidden: torch.Tensor
+    main_hidden: torch.Tensor | None
     state: Any
     tokens: torch.Tensor
     pos: torch.Tensor
     count: torch.Tensor
     state_in: Any = None
     seconds: float = 0.0
+
+    def last_logits(self) -> torch.Tensor:
+        """fp32 [B, V]: each row's logits after its count[b] tokens."""
+        if self.logits.dim() == 2:
+            return self.logits
+        return self.logits[torch.arange(self.logits.size(0)), self.count - 1]
 
 
 class Target(Protocol):
@@ -190,10 +199,12 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
     out: list[list[int]] = [[] for _ in range(B)]
     out_logits: list[list[torch.Tensor]] = [[] for _ in range(B)]
     t0 = time.perf_counter()
-    cache = drafter.seed(drafter.start(B), v.main_hidden, torch.zeros(B, dtype=torch.int64), lens)
+    cache = drafter.start(B)
+    if v.main_hidden is not None:
+        cache = drafter.seed(cache, v.main_hidden, torch.zeros(B, dtype=torch.int64), lens)
     stats.draft_seconds += time.perf_counter() - t0
     last = lens - 1  # each row's last position in the state
-    first = v.logits[torch.arange(B), last]  # [B, V]
+    first = v.last_logits()
     token = _pick(first, temperature, top_p, generator)
     for b in range(B):
         out[b].append(int(token[b]))
@@ -312,10 +323,12 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
 # ----------------------------------------------------------------------------------------- the runner
 class RunnerTarget:
     """A compiled bundle as the `Target` (runtime_min/core/runner.py `Runner.verify`): prefill and verify
-    run the prefill and chunk buckets stage by stage, reading the head at every position and the
-    stream entering each DSpark target layer (the cpu target's staged buckets); commit replays the
-    kept tokens from the verify's input state when a row rejected a draft. Raises ValueError for a
-    model without DSpark target layers, BundleError for a bundle without a staged chunk bucket."""
+    read the head at every position and the stream entering each DSpark target layer, from the
+    prefill and chunk buckets stage by stage (the cpu target's staged buckets) or from the
+    verify buckets' own outputs (the neuron target's; its prefill is read at the last position
+    only); commit replays the kept tokens from the verify's input state when a row rejected a
+    draft. Raises ValueError for a model without DSpark target layers, BundleError for a bundle
+    with neither a verify bucket nor a staged chunk bucket."""
 
     def __init__(self, runner, target_layers: Sequence[int] | None = None):
         from ..bundle.schema import BundleError
@@ -325,10 +338,11 @@ class RunnerTarget:
         self.target_layers = tuple(cfg.get("dspark_target_layer_ids", ()) if target_layers is None else target_layers)
         if not self.target_layers:
             raise ValueError("RunnerTarget: the bundle's model has no DSpark target layers")
-        if not any(b.kind == "chunk" and b.stages for b in runner.manifest.buckets):
-            raise BundleError("speculative decoding verifies drafts on a staged chunk bucket (a cpu bundle compiled "
-                              "with compile.chunked_prefill), which reads every position's logits; this bundle "
-                              f"({runner.manifest.target} target) has none")
+        if not any(b.kind == "chunk" and b.stages or b.kind == "verify" for b in runner.manifest.buckets):
+            raise BundleError("speculative decoding verifies drafts on a verify bucket (a neuron bundle compiled with "
+                              "--speculative dspark) or a staged chunk bucket (a cpu bundle compiled with "
+                              "compile.chunked_prefill), which read every position's logits; this bundle "
+                              f"({runner.manifest.target} target) has neither")
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> Verified:
         return self.runner.verify_prefill(prompts, self.target_layers)
