@@ -12,11 +12,12 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
 - drafter: one DSpark draft of a block from the checkpoint's mtp.* weights (--checkpoint) or the
   bundle's own (`compile --speculative dspark`), EAGER in the golden's exact numerics
   (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), and again in GEMM order
-  "fused" (fp32 GEMMs, what `run` and `serve` draft with);
+  "fused" (fp32 GEMMs, what `run` and `serve` draft with where the bundle has no draft bucket),
+  and the bundle's draft bucket where it has one (runtime_min/core/drafter.py: what they draft with then);
 - projected: tokens/s at mean acceptance lengths 2.5 and 3.0 (the published figures, measured
   with V4.1's trained drafter; random weights accept ~nothing) against plain decoding, per step
   verify + replay (a step that keeps every draft skips it; at these lengths almost none does) +
-  drafter, with the drafter measured and with it at 0 (a compiled drafter's cost is not measured);
+  drafter, with each drafter measured and with it at 0;
 - oracle: a TEST-ONLY drafter proposing the model's own greedy tokens (known from a plain run)
   drives the whole loop for --tokens tokens: measured tokens/s against plain greedy decoding of
   the same tokens (acceptance k + 1 a step: the mechanics' ceiling, not a real drafter's speed).
@@ -107,11 +108,20 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
         seconds = draft_seconds(order)
         if seconds is not None:
             out[key] = seconds
+    if any(b.kind == "draft" for b in r.manifest.buckets):  # the drafter's own bucket (runtime_min/core/drafter.py)
+        from dsneuron.runtime_min.core.drafter import CompiledDrafter
+
+        compiled = CompiledDrafter(r)
+        v = r.verify_prefill([prompt], target.target_layers)
+        cache = compiled.seed(compiled.start(1), v.main_hidden, torch.tensor([0]), v.count)
+        out["drafter_bucket_s"] = _median(lambda: compiled.propose(cache, tok, torch.tensor([p - 1]), k, 0.0, None),
+                                          repeats)
     step = out["verify_s"] + out["chunk_call_s"]
     out["projected_speedup"] = {  # with the drafter's cost where it was measured (a checkpoint or the bundle's)
         str(a): {"drafter_free": a * out["decode_s"] / step,
                  **{name: a * out["decode_s"] / (step + out[key])
-                    for name, key in (("drafter_eager", "drafter_eager_s"), ("drafter_fused", "drafter_fused_s"))
+                    for name, key in (("drafter_eager", "drafter_eager_s"), ("drafter_fused", "drafter_fused_s"),
+                                      ("drafter_bucket", "drafter_bucket_s"))
                     if key in out}}
         for a in (2.5, 3.0)}
     # the oracle (TEST-ONLY): plain greedy first, then the loop proposing those tokens

@@ -38,7 +38,8 @@ class PlannedBucket:
     kind "decode": one token per call (seq_len 1) against a state of `capacity` positions; kind
     "chunk": seq_len tokens per call continuing a state of `capacity` positions (a chunked
     prefill's later chunks, graphs/steps.py prefill_chunk); kind "verify": a chunk returning every
-    position's logits and main_hidden (speculative decoding's verify, graphs/steps.py verify_chunk)."""
+    position's logits and main_hidden (speculative decoding's verify, graphs/steps.py verify_chunk);
+    kind "draft": the DSpark drafter's step drafting seq_len tokens (graphs/dspark.py DraftStep)."""
 
     kind: str
     batch: int
@@ -81,6 +82,8 @@ class BucketPlan:
     decode_batches: tuple[int, ...] = ()
     #: > 0: the tokens of a verify bucket per batch size and decode capacity (`with_verify`)
     verify_len: int = 0
+    #: > 0: the block of a draft bucket per batch size (`with_draft`)
+    draft_len: int = 0
 
     @property
     def prefill(self) -> tuple[PlannedBucket, ...]:
@@ -117,6 +120,18 @@ class BucketPlan:
         decode state of any length, at the smallest capacity holding it, as a decode step does."""
         return dataclasses.replace(self, verify_len=tokens)
 
+    def with_draft(self, block: int) -> "BucketPlan":
+        """The plan plus one draft bucket per batch size (the DSpark drafter's step, drafting
+        `block` tokens) at the largest decode capacity: its rings are window_size rows whatever
+        the context, and the capacity only bounds the positions it drafts at."""
+        return dataclasses.replace(self, draft_len=block)
+
+    @property
+    def draft(self) -> tuple[PlannedBucket, ...]:
+        if not self.draft_len:
+            return ()
+        return tuple(PlannedBucket("draft", b, self.draft_len, self.decode_capacities[-1]) for b in self.batch_sizes)
+
     @property
     def verify(self) -> tuple[PlannedBucket, ...]:
         if not self.verify_len:
@@ -131,7 +146,7 @@ class BucketPlan:
 
     @property
     def buckets(self) -> tuple[PlannedBucket, ...]:
-        return self.prefill + self.decode + self.chunk + self.verify
+        return self.prefill + self.decode + self.chunk + self.verify + self.draft
 
     def capacity_for(self, seq_len: int) -> int:
         """The decode capacity a prefill of `seq_len` hands its state to: the smallest >= seq_len."""

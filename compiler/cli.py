@@ -315,11 +315,13 @@ def run_cmd(
 
 def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_new_tokens: int, temperature: float,
                      top_p: float, seed: Optional[int], stats: bool, k: int, draft_checkpoint: Optional[Path]) -> None:
-    """`run --speculative-tokens K`: one prompt, DSpark (graphs/dspark.py, eager) drafting K tokens a
-    step, the bundle verifying (runtime_min/core/speculative.py). The drafter's weights: the bundle's
-    own (`compile --speculative dspark`), or `draft_checkpoint`'s mtp.* when given."""
+    """`run --speculative-tokens K`: one prompt, DSpark drafting K tokens a step (`_drafter`: the
+    bundle's draft buckets, or eager), the bundle verifying (runtime_min/core/speculative.py). The
+    drafter's weights: the bundle's own (`compile --speculative dspark`), or `draft_checkpoint`'s
+    mtp.* when given."""
     import time
 
+    from dsneuron.graphs.dspark import DSparkDrafter
     from dsneuron.runtime_min.session import Session
 
     session = Session.load(bundle, verify_key)
@@ -329,11 +331,12 @@ def _run_speculative(bundle: Path, verify_key: Optional[Path], prompt: str, max_
     seconds = time.perf_counter() - t0
     _print("stdout", text + "\n")
     if stats:
+        how = "eager" if isinstance(drafter, DSparkDrafter) else "its draft bucket"
         per = ", ".join(f"{a}/{n}" for a, n in zip(spec.per_position, spec.proposed))
         _print("stderr", f"speculative k={k}: {len(spec.accepted)} verify steps, mean acceptance length "
                          f"{spec.mean_acceptance:.2f} tokens a step (draft j kept/offered: {per}); verify "
                          f"{spec.verify_seconds:.3f} s, replay {spec.replay_seconds:.3f} s ({spec.replays} steps), drafter "
-                         f"{spec.draft_seconds:.3f} s (eager); {spec.tokens} tokens in {seconds:.3f} s, prefill "
+                         f"{spec.draft_seconds:.3f} s ({how}); {spec.tokens} tokens in {seconds:.3f} s, prefill "
                          f"included ({spec.tokens / seconds:.2f} tokens/s)")
 
 
@@ -346,10 +349,12 @@ def _check_speculation_flags(speculative_tokens: int, draft_checkpoint: Optional
 
 
 def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
-    """The DSpark drafter (graphs/dspark.py, eager) for `run`/`serve --speculative-tokens k` on a loaded
-    session: from `draft_checkpoint`'s mtp.* when given, else from the bundle's own (`compile
-    --speculative dspark`); in GEMM order "fused" (fp32 GEMMs: its drafts never reach the output,
-    and the golden's exact order costs several times more). UserError for a model without DSpark stages, k outside 1..block, a bundle
+    """The DSpark drafter for `run`/`serve --speculative-tokens k` on a loaded session: from
+    `draft_checkpoint`'s mtp.* when given (graphs/dspark.py, eager), else the bundle's draft
+    buckets where it has them (runtime_min/core/drafter.py: the neuron target compiles them), else
+    from the bundle's stored mtp.* tensors, eager (`compile --speculative dspark`); the eager one
+    in GEMM order "fused" (fp32 GEMMs: its drafts never reach the output, and the golden's exact
+    order costs several times more). UserError for a model without DSpark stages, k outside 1..block, a bundle
     that carries no drafter; BundleError for a stored drafter that does not load."""
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import bundle_drafter, load_drafter
@@ -367,6 +372,10 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     RunnerTarget(session.runner)  # a bundle that cannot verify is refused before the drafter loads
     if draft_checkpoint is not None:
         return load_drafter(draft_checkpoint, cfg, session.max_capacity, order="fused")
+    if any(b.kind == "draft" for b in session.manifest.buckets):
+        from dsneuron.runtime_min.core.drafter import CompiledDrafter
+
+        return CompiledDrafter(session.runner)
     try:
         return bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused")
     except ValueError as e:

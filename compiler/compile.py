@@ -35,7 +35,7 @@ import dsneuron
 from dsneuron.graphs.config import ConfigError, ModelConfig
 from dsneuron.runtime_min.bundle.bundle import check_target, host_toolchain
 from dsneuron.runtime_min.bundle.schema import (CHUNK_SCHEMA_VERSION, IN_PLACE_SCHEMA_VERSION, NUMERICS_SCHEMA_VERSION,
-                                                SCHEMA_VERSION, TOKENIZER_DIR, VERIFY_SCHEMA_VERSION, WEIGHT_FILES_SCHEMA_VERSION,
+                                                SCHEMA_VERSION, SPECULATIVE_SCHEMA_VERSION, TOKENIZER_DIR, WEIGHT_FILES_SCHEMA_VERSION,
                                                 WEIGHT_SHARD_BYTES, WEIGHTS, Bucket, BundleError, Manifest, StateEntry,
                                                 TensorSpec, Tokenizer, bucket_file, dtype_name, shard_record,
                                                 written_in_place)
@@ -191,10 +191,12 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         check_private_key(sign_key)
     plan = bucket_plan(compile_cfg, model_cfg, parts.steps, target)
     staged = is_staged(parts.steps, target)
+    # a staged target's buckets run stage by stage, but for the drafter's: one graph of its own
+    in_stages = {pb: staged and pb.kind != "draft" for pb in plan.buckets}
     rels = {pb: bucket_file(pb.kind, pb.batch, pb.length, "neuron-stablehlo" if stablehlo_only else target)
             for pb in plan.buckets}
-    if staged:
-        rels = {pb: rel.rsplit(".", 1)[0] for pb, rel in rels.items()}  # the folder of its stage executables
+    rels = {pb: rel.rsplit(".", 1)[0] if in_stages[pb] else rel  # the folder of its stage executables
+            for pb, rel in rels.items()}
     stems = {pb: Path(rel).name.split(".")[0] for pb, rel in rels.items()}
     backend = make_backend(target, flags, list(stems.values()), stablehlo_only)
     out = Path(out)
@@ -233,9 +235,10 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
         for pb in plan.buckets:
             task, rel, stem = tasks[pb], rels[pb], stems[pb]
             key_flags, key_toolchain = backend.key_ingredients(stem)
-            shape = {**dataclasses.asdict(pb), **({"per_token_len": per_token_lens.get(pb.batch)} if staged else {})}
+            shape = {**dataclasses.asdict(pb),
+                     **({"per_token_len": per_token_lens.get(pb.batch)} if in_stages[pb] else {})}
             prekey = pre_key(fp, shape, wdigest, key_flags, key_toolchain, target, backend.name) if fp else None
-            if staged:
+            if in_stages[pb]:
                 if sc is None:
                     sc = StagedCompile(parts, backend, cache, (key_flags, key_toolchain, target))
                 progress.update(task, status="planning")
@@ -267,7 +270,7 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 records[pb] = record
                 compiled += record["how"] == "compiled"
         for pb in plan.buckets:
-            if staged:
+            if in_stages[pb]:
                 continue
             record, rel, stem = records[pb], rels[pb], stems[pb]
             writer.copy_in(Path(record["artifact"]), rel)
@@ -297,12 +300,16 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
                 for pb in todo:
                     progress.update(tasks[pb], status=status)
             sc.run(workers, show)
-            compiled = sc.compiled
+            compiled += sc.compiled
             for pb in plan.buckets:
+                if not in_stages[pb]:
+                    continue
                 buckets.append(sc.bucket(pb, writer, rels[pb]))
                 custom_ops.update(sc.records[pb]["custom_ops"])
                 weight_views.update(sc.records[pb]["views"])
                 progress.update(tasks[pb], completed=1)
+        order = {(pb.kind, pb.batch, pb.length): i for i, pb in enumerate(plan.buckets)}
+        buckets.sort(key=lambda b: order[(b.kind, b.batch, b.length)])  # the plan's order, staged or not
         used = {n for b in buckets for n in (*b.weights, *(w for st in b.stages for w in st.weights))}
         recipes = tuple(r for r in parts.prepare if set(r.outputs) & used)
         made = {n for r in recipes for n in r.outputs}
@@ -327,14 +334,15 @@ def compile_bundle(model_cfg: ModelConfig, compile_cfg: CompileConfig, out: Path
             prepare=recipes, weight_files=weight_files, numerics=compile_cfg.numerics,
             schema_version=max(WEIGHT_FILES_SCHEMA_VERSION if weight_files else SCHEMA_VERSION,
                                CHUNK_SCHEMA_VERSION if plan.chunk else SCHEMA_VERSION,
-                               VERIFY_SCHEMA_VERSION if plan.verify else SCHEMA_VERSION,
+                               SPECULATIVE_SCHEMA_VERSION if plan.verify or plan.draft else SCHEMA_VERSION,
                                NUMERICS_SCHEMA_VERSION if compile_cfg.numerics != "exact" else SCHEMA_VERSION,
                                IN_PLACE_SCHEMA_VERSION if any(map(written_in_place, buckets)) else SCHEMA_VERSION))
         from dsneuron.runtime_min.bundle.signing import sign_bundle
 
         path = writer.commit(manifest, None if sign_key is None else lambda folder: sign_bundle(folder, sign_key))
     # a per-token executable is copied into every bucket of its batch size: count it once
-    n_exe = len({k for rec in sc.records.values() for k in rec["kinds"].values()}) if sc else len(buckets)
+    n_exe = (len({k for rec in sc.records.values() for k in rec["kinds"].values()}) if sc else 0) + \
+        sum(not in_stages[pb] for pb in plan.buckets)
     console.print(f"{label or f'bundle written to {path}'} ({compiled} of {n_exe} executables compiled, {n_exe - compiled} from "
                   f"the cache at {cache.root})")
     return path
@@ -384,8 +392,9 @@ def bucket_plan(compile_cfg: CompileConfig, model_cfg: ModelConfig, steps: Any, 
     """The buckets `compile_bundle` compiles for `target`: the config's plan (plan_buckets, which
     raises ConfigError), with one dynamic prefill bucket per batch size where the target is staged,
     chunk buckets where compile.chunked_prefill asks for them and `steps` can build them, and, for
-    speculative decoding on a target that is not staged (whose verify cannot tap a chunk bucket),
-    verify buckets of 1 + dspark_block_size tokens."""
+    speculative decoding, verify buckets of 1 + dspark_block_size tokens on a target that is not
+    staged (whose verify cannot tap a chunk bucket), and, where `steps` holds the drafter, its
+    draft buckets (one graph each, on a staged target too)."""
     plan = plan_buckets(compile_cfg, model_cfg)
     staged = is_staged(steps, target)
     if staged:
@@ -394,12 +403,14 @@ def bucket_plan(compile_cfg: CompileConfig, model_cfg: ModelConfig, steps: Any, 
         plan = plan.with_chunks()
     if compile_cfg.speculative == "dspark" and not staged and callable(getattr(steps, "verify", None)):
         plan = plan.with_verify(1 + model_cfg.dspark_block_size)
+    if compile_cfg.speculative == "dspark" and getattr(steps, "drafter", None) is not None:
+        plan = plan.with_draft(model_cfg.dspark_block_size)
     return plan
 
 
 def step_graph(steps: Any, pb: PlannedBucket) -> StepGraph:
-    """The single-graph step of bucket `pb` (prefill, decode, chunk or verify) from a StepFactory.
-    Raises CompileError for a chunk or verify bucket of a factory without such graphs."""
+    """The single-graph step of bucket `pb` (prefill, decode, chunk, verify or draft) from a
+    StepFactory. Raises CompileError for a bucket kind the factory has no graph of."""
     if pb.kind == "prefill":
         return steps.prefill(pb.batch, pb.seq_len, pb.capacity)
     if pb.kind == "decode":

@@ -25,7 +25,7 @@ from dsneuron.graphs.model import Transformer
 from dsneuron.graphs.tokenizer import tokenizer_files
 from dsneuron.graphs.weights import build_model, load_casts, model_weights
 from dsneuron.kernels_nki.prepare import Prepare, prepared_specs
-from dsneuron.runtime_min.bundle.schema import MAIN_HIDDEN, PROBE_PREFIX, engram_columns
+from dsneuron.runtime_min.bundle.schema import DRAFT_OUTPUTS, MAIN_HIDDEN, PROBE_PREFIX, engram_columns
 
 from .buckets import plan_buckets
 from .cache import cache_root, source_digest
@@ -74,6 +74,23 @@ class GraphsStepFactory:
         m = steps.ChunkStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
         names = ("tokens", "pos", "valid_len", "engram_ids", *m.state_names)
         return StepGraph(m, tuple(zip(names, m.example_inputs())), self._outputs(m))
+
+    #: the DSpark drafter over the same weights (graphs/dspark.py, GEMM order "fused", uncached),
+    #: for the draft buckets; None when the compile stores no drafter or its target compiles none
+    drafter: Any = None
+
+    def draft(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
+        """The drafter's bucket (graphs/dspark.py DraftStep): seq_len is the block it drafts; it
+        seeds up to window_size positions a call (all a ring keeps: a verify's 1 + block, or a
+        prompt's last window_size in one call). capacity: the context it drafts within (the
+        drafter's RoPE rows; its rings do not depend on it). Raises CompileError without a drafter."""
+        from dsneuron.graphs.dspark import DraftStep
+
+        if self.drafter is None:
+            raise CompileError(f"draft b{batch}: this compile holds no drafter (compile --speculative dspark)")
+        m = DraftStep(self.drafter, batch, self.cfg.window_size, self.numerics)
+        names = ("token", "pos", "main_hidden", "seed_pos", "seed_count", "gumbel", "temperature", *m.ring_names)
+        return StepGraph(m, tuple(zip(names, m.example_inputs())), (*DRAFT_OUTPUTS, *m.ring_names))
 
     def verify(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
         """The speculative verify bucket (graphs/steps.py VerifyStep): a chunk of seq_len tokens
@@ -233,17 +250,48 @@ def build_model_parts(model_cfg: ModelConfig, compile_cfg: CompileConfig, cache_
                                if n in mapped.regions and weights.get(n) is mapped.tensors[n]}
     sources.update({n: src for n, src in (derived or {}).items() if n in all_weights})
     host: tuple[str, ...] = ()
+    stored_dtypes = {n: weights[n].dtype for n in casts}
+    drafter = None
     if compile_cfg.speculative == "dspark":  # the drafter's tensors as the checkpoint stores them
         host = tuple(n for n in mapped.tensors if n.startswith("mtp."))
         all_weights.update({n: mapped.tensors[n] for n in host})
         sources.update({n: mapped.regions[n] for n in host})
+        if not sharded:
+            drafter = _graph_drafter(models[capacities[-1]], {n: mapped.tensors[n] for n in host}, all_weights,
+                                     stored_dtypes, sources)
     params = engram_params(model_cfg) if model_cfg.engram_layer_ids else None
     factory = GraphsStepFactory(model_cfg, models, probes, "kernel" if recipes else "fused", compile_cfg.indexer,
                                 (par.tp, par.ep, rank) if sharded else None, compile_cfg.numerics)
+    factory.drafter = drafter
     return ModelParts(factory, all_weights,
                       tokenizer_files(), {"engram": params.to_dict() if params else None},
-                      stored_dtypes={n: weights[n].dtype for n in casts}, prepare=tuple(recipes), sources=sources,
+                      stored_dtypes=stored_dtypes, prepare=tuple(recipes), sources=sources,
                       host_weights=host)
+
+
+def _graph_drafter(model: torch.nn.Module, mtp: dict[str, torch.Tensor], weights: dict[str, Any],
+                   stored_dtypes: dict[str, torch.dtype], sources: dict[str, Any]) -> Any:
+    """The DSpark drafter a draft bucket traces (graphs/dspark.py DSpark, GEMM order "fused",
+    uncached) over the main `model`'s embedding and head and the checkpoint's mtp.* tensors,
+    which `weights` then holds as the drafter holds them: the same tensor where the checkpoint's
+    dtype is the drafter's; a bf16 head widened to fp32 (stored narrowed back from its checkpoint
+    bytes, cast at load); wo_a dequantised to bf16 (stored so: the runtime's eager drafter takes
+    it as is, graphs/dspark.py from_checkpoint), its scale left a host weight."""
+    from dsneuron.graphs.dspark import DSpark
+
+    drafter = DSpark.from_checkpoint(model, mtp, model.max_seq_len, order="fused", cached=False)
+    params = dict(drafter.named_parameters())
+    for name, t in mtp.items():
+        target = DSpark.param_name(name)
+        if target is None:
+            continue
+        p = params[target].detach()
+        if name.endswith("attn.wo_a.weight"):
+            weights[name] = p
+            sources.pop(name)
+        elif p.dtype != t.dtype:
+            weights[name], stored_dtypes[name] = p, t.dtype
+    return drafter
 
 
 def _prepared_placeholders(recipes: list[Prepare], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

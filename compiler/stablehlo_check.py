@@ -41,7 +41,8 @@ class Agreement:
     """One output of the StableHLO run against the eager step: bit_identical, and otherwise how
     far: differing (share of elements whose bits differ), max_abs, max_rel (max_abs over the
     largest |value| of the eager output), for the logits cos (cosine similarity in fp64), and
-    zero_mismatch: one side all zeros and the other not (a dropped write, whatever the bounds)."""
+    zero_mismatch: one side all zeros and the other not (a dropped write, whatever the bounds).
+    cos: for an output named "logits" or "draft_logits"."""
 
     name: str
     dtype: str
@@ -71,7 +72,7 @@ def agreement(name: str, got: torch.Tensor, want: torch.Tensor) -> Agreement:
     elif not bool(same.all()):
         max_abs = max_rel = math.inf
     cos = None
-    if name == "logits":
+    if name.endswith("logits"):
         g, w = got.double().flatten(), want.double().flatten()
         cos = float(torch.dot(g, w) / (g.norm() * w.norm()).clamp_min(1e-300))
     zero_mismatch = bool((got == 0).all()) != bool((want == 0).all())
@@ -98,7 +99,9 @@ def state_agreement(cfg: Any, name: str, got: torch.Tensor, want: torch.Tensor) 
 
 def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_len: int, seed: int = 0
                   ) -> list[torch.Tensor]:
-    """Data (and state) inputs of bucket `pb` that exercise it: random tokens; prefill rows of
+    """Data (and state) inputs of bucket `pb` that exercise it: random tokens; a draft step
+    seeding 1 + K positions ending at its position (row b's prefill_len + 3b), sampled in even
+    rows and greedy in odd ones, on random rings; prefill rows of
     lengths seq_len, seq_len-3, ...; a decode step after an eager prefill of prefill_len tokens per
     row (its state from that prefill, without the probe outputs of a probe build; the token at
     position prefill_len); a chunk after the same prefill, row b's n - 3b tokens (at least 1; n the
@@ -110,6 +113,15 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
     def ids(tokens: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*tokens.shape, 0, 0, dtype=torch.int64) if hasher is None else hasher.hash_sequence(tokens)
 
+    if pb.kind == "draft":  # a verify's 1 + K positions to seed, a sampled row and a greedy one
+        K, V, W = pb.seq_len, cfg.vocab_size, cfg.window_size
+        pos = torch.tensor([prefill_len + 3 * b for b in range(B)], dtype=torch.int64)
+        hidden = (torch.randn(B, W, len(cfg.dspark_target_layer_ids) * cfg.dim, generator=g) * 4).to(torch.bfloat16)
+        gumbel = -torch.empty(B, K, V).exponential_(generator=g).log()
+        temperature = torch.tensor([0.8 if b % 2 == 0 else 0.0 for b in range(B)])
+        rings = [(torch.randn(B, W, cfg.head_dim, generator=g)).to(torch.bfloat16) for _ in range(cfg.n_mtp_layers)]
+        return [torch.randint(2, V, (B,), generator=g), pos, hidden, pos - K, torch.full((B,), 1 + K), gumbel,
+                temperature, *rings]
     if pb.kind == "prefill":
         S = pb.seq_len
         tokens = torch.randint(2, cfg.vocab_size, (B, S), generator=g)
@@ -227,9 +239,10 @@ def compare_outputs(cfg: Any, label: str, names: tuple[str, ...], got: list[torc
 
 def logits_within_floor(report: BucketReport) -> tuple[float, float]:
     """(1 - cos of the module's logits, the larger floor's): `dsneuron compare`'s end-to-end rule
-    on one step."""
+    on one step. A draft bucket's are its draft_logits, and its floor 0: the drafter has one GEMM
+    order (graphs/dspark.py DraftStep), so its eager step in "ascending" is the same step."""
     def one_minus_cos(agreements: list[Agreement]) -> float:
-        return 1 - next(a.cos for a in agreements if a.name == "logits")
+        return 1 - next(a.cos for a in agreements if a.name.endswith("logits"))
 
     return one_minus_cos(report.outputs), max(one_minus_cos(report.floor), one_minus_cos(report.nudge))
 

@@ -47,7 +47,7 @@ from .context import Capture
 from .dispatch import fp8_qdq
 from .mhc import hc_post, hc_pre
 from .model import Block, Linear, RMSNorm, Transformer, embed_stream
-from .numerics import gemm_order
+from .numerics import gemm_order, kernel_numerics
 from .rope import rope_tables, with_rope_tail
 from .quant import dequant_fp8_weight, linear_fp32
 
@@ -152,12 +152,26 @@ class DSpark(nn.Module):
               "confidence_head.proj.weight": "confidence"}
 
     @classmethod
+    def param_name(cls, name: str) -> str | None:
+        """This module's parameter that checkpoint tensor `name` becomes ("mtp.0.attn.wq_a.weight"
+        -> "stages.0.attn.wq_a.weight"; the head-only tensors sit on stage 0 (main_*) and the last
+        stage (the others)); None for a tensor that is not the drafter's or is folded into another
+        (wo_a's scale, into its dequantised weight)."""
+        if not name.startswith("mtp.") or name.endswith("attn.wo_a.scale"):
+            return None
+        s, rest = name[len("mtp."):].split(".", 1)
+        return cls._EXTRA.get(rest, f"stages.{s}.{rest}")
+
+    @classmethod
     def from_checkpoint(cls, model: Transformer, ckpt: dict[str, torch.Tensor], max_seq_len: int,
-                        order: str = "ascending") -> "DSpark":
+                        order: str = "ascending", cached: bool = True) -> "DSpark":
         """The drafter with the checkpoint's mtp.* tensors (wo_a dequantised to bf16 as convert.py
-        does for the main layers, bf16 heads promoted to fp32 as the reference holds them), drafting
-        in GEMM `order` (class docstring). Raises ValueError as the class says, or for an order
-        other than "ascending" and "fused"."""
+        does for the main layers, unless it is bf16 already; bf16 heads promoted to fp32 as the
+        reference holds them), drafting in GEMM `order` (class docstring). cached: keep each
+        projection's dequantised copy (eager speed; a graph dequantises from the stored bytes
+        instead, `DraftStep`). A tensor of the same dtype is taken as is (its storage), so a
+        graph binds it to its checkpoint name. Raises ValueError as the class says, or for an
+        order other than "ascending" and "fused"."""
         if order not in ("ascending", "fused"):
             raise ValueError(f"DSpark: order must be 'ascending' or 'fused', got {order!r}")
         drafter = cls(model, max_seq_len)
@@ -165,14 +179,12 @@ class DSpark(nn.Module):
         params = dict(drafter.named_parameters())
         loaded = {}
         for name, t in ckpt.items():
-            if not name.startswith("mtp.") or name.endswith("attn.wo_a.scale"):
+            target = cls.param_name(name)
+            if target is None:
                 continue
-            s, rest = name[len("mtp."):].split(".", 1)
-            if rest.endswith("attn.wo_a.weight"):
+            if name.endswith("attn.wo_a.weight") and t.dtype != torch.bfloat16:
                 scale = ckpt[name[:-len("weight")] + "scale"]
                 t = dequant_fp8_weight(t, scale, model.cfg.fp8_block_size).to(torch.bfloat16)
-            # the head-only tensors sit on stage 0 (main_*) and the last stage (the others)
-            target = cls._EXTRA.get(rest, f"stages.{s}.{rest}")
             if target not in params:
                 raise ValueError(f"DSpark: checkpoint tensor {name} has no place in the drafter")
             p = params[target]
@@ -184,7 +196,7 @@ class DSpark(nn.Module):
             raise ValueError(f"DSpark: the checkpoint lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
         drafter.load_state_dict(loaded, strict=False, assign=True)
         for mod in drafter.modules():
-            if isinstance(mod, Linear):
+            if isinstance(mod, Linear) and cached:
                 mod.cached = mod.dequantized().double() if order != "fused" else mod.dequantized().float()
         return drafter.eval()
 
@@ -223,6 +235,30 @@ class DSpark(nn.Module):
             rings.append(ring)
         return DraftCache(rings)
 
+    def seed_rings(self, rings: list[torch.Tensor], main_hidden: torch.Tensor, start: torch.Tensor,
+                   count: torch.Tensor) -> list[torch.Tensor]:
+        """`seed` with static shapes (a graph's): main_kv of row b's positions start[b] ..
+        start[b]+count[b]-1 (main_hidden bf16 [B,S,T*D], S <= window_size, count int64 [B] in
+        0..S) written into each ring (bf16 [B, W, head_dim]) at slot position % W; the S
+        positions are consecutive, so their slots are distinct and the write is one scatter.
+        Returns the new rings; the values are `seed`'s."""
+        cfg = self.cfg
+        W, hd = cfg.window_size, cfg.head_dim
+        B, S, _ = main_hidden.shape
+        if S > W:
+            raise ValueError(f"seed_rings: {S} positions a call; the ring holds window_size={W}")
+        mx = self.main_x(main_hidden)
+        positions = start.unsqueeze(1) + torch.arange(S, device=start.device)
+        cos, sin = self._rope(positions.clamp(max=self.rope_cos.size(0) - 1))
+        keep = (torch.arange(S, device=start.device) < count.unsqueeze(1)).unsqueeze(-1)  # [B, S, 1]
+        slots = (positions % W).unsqueeze(-1).expand(B, S, hd)
+        out = []
+        for stage, ring in zip(self.stages, rings):
+            a = stage.attn
+            kv = fp8_qdq(with_rope_tail(a.kv_norm(a.wkv(mx)), cfg.rope_head_dim, cos, sin), cfg.fp8_block_size)
+            out.append(ring.scatter(1, slots, torch.where(keep, kv, ring.gather(1, slots))))
+        return out
+
     def _attention(self, stage: Block, x: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """DSparkAttention.forward at start_pos = pos (int64 [B]) after its ring write: x bf16
         [B, block, D] (after attn_norm) -> bf16 [B, block, D]."""
@@ -241,13 +277,52 @@ class DSpark(nn.Module):
         o = torch.ops.dsneuron.sparse_attn(q, keys, a.attn_sink, idx, hd ** -0.5)
         return a.output(o, cos, sin)
 
-    def _stage(self, stage: Block, h: torch.Tensor, pre_mix: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor):
-        """Block.forward of a DSparkBlock at start_pos > 0: (h, pre_mix) -> (h', ffn_pre)."""
+    def _stage(self, stage: Block, h: torch.Tensor, pre_mix: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor,
+               routed: bool = True):
+        """Block.forward of a DSparkBlock at start_pos > 0: (h, pre_mix) -> (h', ffn_pre); routed:
+        the MoE's routed loop (eager) or its static-shape form (a graph: graphs/model.py MoE)."""
         residual = h
         attn_pre, attn_post, attn_comb = stage.hc_mixes(h, "attn")
         y = self._attention(stage, stage.attn_norm(hc_pre(h, pre_mix)), ring, pos)
         h = hc_post(y, residual, attn_post, attn_comb)
-        return stage.ffn_sublayer(h, attn_pre, None, routed=True)
+        return stage.ffn_sublayer(h, attn_pre, None, routed=routed)
+
+    def block_logits(self, rings: list[torch.Tensor], token: torch.Tensor, pos: torch.Tensor, routed: bool = True,
+                     head_order: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block [token, noise, ...] from position pos (int64 [B]) through the stages reading
+        `rings` (bf16 [B, W, head_dim] each), then the last stage's pre-mix and norm and the main
+        model's fp32 head (in GEMM order `head_order` when given: "kernel" where the main model's
+        head holds only its cpu kernel layout): (x bf16 [B, block, D] after the pre-mix, logits
+        fp32 [B, block, V] before the Markov bias)."""
+        main = self._main[0]
+        B, K = token.size(0), self.block
+        ids = torch.cat([token.unsqueeze(1), torch.full((B, K - 1), self.cfg.dspark_noise_token_id, dtype=torch.int64,
+                                                        device=token.device)], dim=1)
+        h, pre_mix = embed_stream(main.embed, self.cfg.hc_mult, ids)
+        for stage, ring in zip(self.stages, rings):
+            h, pre_mix = self._stage(stage, h, pre_mix, ring, pos, routed)
+        x = hc_pre(h, pre_mix)
+        y = self.norm(x).float()
+        if head_order is None:
+            return x, main.head(y)
+        with gemm_order(head_order):
+            return x, main.head(y)
+
+    def markov(self, x: torch.Tensor, logits: torch.Tensor, token: torch.Tensor, pick) -> Draft:
+        """Token by token, the Markov bias of the previous token (DSparkMarkovHead) added to
+        logits[:, i] and the next draft picked by `pick(i, logits_i fp32 [B, V]) -> int64 [B]`;
+        then the confidence (DSparkConfidenceHead) from x and the Markov embeddings."""
+        prev, tokens, rows, embeds = token, [], [], []
+        for i in range(self.block):
+            e = self.markov_embed[prev]  # bf16 [B, r]
+            row = logits[:, i] + linear_fp32(e.float(), self.markov_head, self.order)
+            prev = pick(i, row)
+            tokens.append(prev)
+            rows.append(row)
+            embeds.append(e)
+        hidden = torch.cat([x, torch.stack(embeds, dim=1)], dim=-1).float()
+        confidence = linear_fp32(hidden, self.confidence, self.order).squeeze(-1)
+        return Draft(torch.stack(tokens, dim=1), torch.stack(rows, dim=1), confidence)
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, token: torch.Tensor, pos: torch.Tensor, temperature: float = 0.0,
@@ -255,26 +330,8 @@ class DSpark(nn.Module):
         """Draft a block from position pos (int64 [B]; main_kv at pos already seeded): token int64
         [B] is x_{pos+1}, the first block token (forward_spec / DSparkBlock.forward_head).
         temperature 0: each draft is the argmax; else drawn from softmax(logits / T) with `generator`."""
-        main = self._main[0]
-        B, K = token.size(0), self.block
-        ids = torch.full((B, K), self.cfg.dspark_noise_token_id, dtype=torch.int64)
-        ids[:, 0] = token
-        h, pre_mix = embed_stream(main.embed, self.cfg.hc_mult, ids)
-        for stage, ring in zip(self.stages, cache.rings):
-            h, pre_mix = self._stage(stage, h, pre_mix, ring, pos)
-        x = hc_pre(h, pre_mix)
-        logits = main.head(self.norm(x).float())  # fp32 [B, K, V]
-        out = torch.empty(B, K + 1, dtype=torch.int64)
-        out[:, 0] = token
-        embeds = []
-        for i in range(K):
-            e = self.markov_embed[out[:, i]]  # bf16 [B, r]
-            logits[:, i] += linear_fp32(e.float(), self.markov_head, self.order)
-            embeds.append(e)
-            out[:, i + 1] = draw(logits[:, i], temperature, generator)
-        hidden = torch.cat([x, torch.stack(embeds, dim=1)], dim=-1).float()
-        confidence = linear_fp32(hidden, self.confidence, self.order).squeeze(-1)
-        return Draft(out[:, 1:], logits, confidence)
+        x, logits = self.block_logits(cache.rings, token, pos)
+        return self.markov(x, logits, token, lambda i, row: draw(row, temperature, generator))
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -362,3 +419,66 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max
     mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
     with torch.inference_mode():
         return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len, order))
+
+
+# ----------------------------------------------------------------------------------------- the compiled step
+class DraftStep(nn.Module):
+    """Exportable DSpark step at a fixed batch: the reference's forward_spec at decode, one call
+    (the drafter's bucket, kind "draft"). It seeds the rings with main_kv of the positions the
+    last verify kept (`seed_rings`), then drafts a block from `pos` (`block_logits`, the MoE in
+    its static-shape form) with the Markov bias token by token. Each draft is the argmax of
+    logits_i at temperature 0, else of logits_i / T + gumbel_i (the Gumbel-max draw: a sample of
+    softmax(logits_i / T) for gumbel_i drawn as -log(-log U), U uniform, by the caller), so the
+    proposal q = softmax(logits / T) of the returned logits is what was drawn from.
+
+    dspark: a `DSpark` in GEMM order "fused" built with cached=False (its projections dequantise
+    from the stored bytes in the graph); the main model's embedding and head are registered here
+    too, so an export binds them; a head that holds only its cpu kernel layout runs through the
+    kernel, in the cpu kernels' `numerics`. seed_len: the positions one call can seed, at most window_size
+    (all a ring keeps: a verify's 1 + block, or a prompt's last window_size, in one call).
+
+    forward(token int64 [B], pos int64 [B], main_hidden bf16 [B, seed_len, T*D], seed_pos int64 [B],
+            seed_count int64 [B] (0..seed_len), gumbel fp32 [B, block, V], temperature fp32 [B],
+            *rings bf16 [B, W, head_dim] (one per stage))
+        -> (tokens int64 [B, block], logits fp32 [B, block, V] (Markov bias added, before the
+            temperature), confidence fp32 [B, block], *rings')
+    """
+
+    def __init__(self, dspark: DSpark, batch: int, seed_len: int, numerics: str = "exact"):
+        super().__init__()
+        if dspark.order != "fused":
+            raise ValueError(f"DraftStep: the drafter must run in GEMM order 'fused' (got {dspark.order!r})")
+        if not 1 <= seed_len <= dspark.cfg.window_size:
+            raise ValueError(f"DraftStep: seed_len must be in 1..window_size={dspark.cfg.window_size}, got {seed_len}")
+        self.dspark, self.batch, self.seed_len, self.numerics = dspark, batch, seed_len, numerics
+        main = dspark._main[0]
+        self.embed, self.head = main.embed, main.head
+        # a cpu compile holds the main head in its kernel layout only (graphs/kernel_weights.py)
+        self.head_order = "kernel" if main.head.weight is None else None
+
+    @property
+    def ring_names(self) -> list[str]:
+        return [f"mtp.{s}.ring" for s in range(len(self.dspark.stages))]
+
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        cfg, B = self.dspark.cfg, self.batch
+        T = len(cfg.dspark_target_layer_ids)
+        i64 = dict(dtype=torch.int64)
+        return (torch.zeros(B, **i64), torch.zeros(B, **i64),
+                torch.zeros(B, self.seed_len, T * cfg.dim, dtype=torch.bfloat16), torch.zeros(B, **i64),
+                torch.zeros(B, **i64), torch.zeros(B, self.dspark.block, cfg.vocab_size, dtype=torch.float32),
+                torch.zeros(B, dtype=torch.float32), *self.dspark.init_cache(B).rings)
+
+    def forward(self, token, pos, main_hidden, seed_pos, seed_count, gumbel, temperature, *rings):
+        d = self.dspark
+        with gemm_order("fused"), kernel_numerics(self.numerics):
+            rings = d.seed_rings(list(rings), main_hidden, seed_pos, seed_count)
+            x, logits = d.block_logits(rings, token, pos, routed=False, head_order=self.head_order)
+            t = temperature.unsqueeze(1)
+            hot = t > 0
+
+            def pick(i: int, row: torch.Tensor) -> torch.Tensor:
+                return torch.where(hot, row / torch.where(hot, t, torch.ones_like(t)) + gumbel[:, i], row).argmax(-1)
+
+            out = d.markov(x, logits, token, pick)
+        return (out.tokens, out.logits, out.confidence, *rings)

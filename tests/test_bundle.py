@@ -325,25 +325,50 @@ def _with_verify(m: dict, version: int = 7, logits: list | None = None, hidden: 
     m["schema_version"] = version
 
 
+def _with_draft(m: dict, version: int = 7, swap: bool = False, ring_out: list | None = None) -> None:
+    """Add a draft bucket (b2, block 3, capacity 16; vocabulary 258, one ring [2, 4, 16]); swap:
+    its first two inputs swapped; ring_out: the ring output's shape."""
+    B, K, V = 2, 3, 258
+    spec = lambda n, shape, dtype: {"name": n, "shape": shape, "dtype": dtype}  # noqa: E731
+    ins = [spec("token", [B], "int64"), spec("pos", [B], "int64"), spec("main_hidden", [B, 4, 32], "bfloat16"),
+           spec("seed_pos", [B], "int64"), spec("seed_count", [B], "int64"), spec("gumbel", [B, K, V], "float32"),
+           spec("temperature", [B], "float32"), spec("mtp.0.ring", [B, 4, 16], "bfloat16")]
+    if swap:
+        ins[0], ins[1] = ins[1], ins[0]
+    outs = [spec("draft_tokens", [B, K], "int64"), spec("draft_logits", [B, K, V], "float32"),
+            spec("confidence", [B, K], "float32"), spec("mtp.0.ring", ring_out or [B, 4, 16], "bfloat16")]
+    d = _bucket(m, "decode", 16)
+    m["buckets"].append({"kind": "draft", "batch": B, "seq_len": K, "capacity": 16, "file": d["file"], "weights": [],
+                         "inputs": ins, "outputs": outs, "cache_key": d["cache_key"]})
+    m["schema_version"] = version
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda m: _with_verify(m, version=6), r"buckets\[3\]: a verify bucket needs schema version 7 \(the manifest says 6\)"),
     (lambda m: _with_verify(m, logits=[2, 258]), r"a verify bucket's first output must be the logits float32 "
                                                  r"\[batch=2, seq_len=3, V > 0\]"),
     (lambda m: _with_verify(m, hidden="layers.0.kv"), r"a verify bucket's second output must be main_hidden bfloat16"),
+    (lambda m: _with_draft(m, version=6), r"a draft bucket needs schema version 7"),
+    (lambda m: _with_draft(m, swap=True), r"a draft bucket takes token, pos, main_hidden, seed_pos, seed_count, gumbel, "
+                                          r"temperature, then one ring per drafter stage"),
+    (lambda m: _with_draft(m, ring_out=[2, 5, 16]), r"ring mtp.0.ring must be bfloat16 \[2, W, head_dim\] in and out"),
 ])
-def test_malformed_verify_bucket_names_the_field(copy, change, message):
-    """A verify bucket (schema version 7) returns the logits at every position, then main_hidden;
-    the loader names what is wrong before any executable is touched."""
+def test_malformed_verify_or_draft_bucket_names_the_field(copy, change, message):
+    """A verify bucket (schema version 7) returns the logits at every position, then main_hidden; a
+    draft bucket takes its named data inputs, then rings it returns as it takes them; the loader
+    names what is wrong before any executable is touched."""
     edit_manifest(copy, change)
     with pytest.raises(BundleError, match=message):
         Session.load(copy)
 
 
-def test_a_well_formed_verify_bucket_is_read(copy):
-    edit_manifest(copy, _with_verify)
+def test_well_formed_verify_and_draft_buckets_are_read(copy):
+    edit_manifest(copy, lambda m: (_with_verify(m), _with_draft(m)))
     m = open_bundle(copy).manifest
     b = next(b for b in m.buckets if b.kind == "verify")
     assert (b.batch, b.seq_len, b.capacity, b.length) == (2, 3, 16, 16) and b.outputs[1].name == "main_hidden"
+    d = next(b for b in m.buckets if b.kind == "draft")
+    assert (d.batch, d.seq_len, d.length, d.inputs[-1].name) == (2, 3, 16, "mtp.0.ring")
 
 
 def test_executable_argument_count_is_cross_checked(copy):

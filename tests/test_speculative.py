@@ -518,6 +518,33 @@ def test_cpu_target_speculation_equals_plain_decoding(spec_runner, micro_golden,
 
 
 @pytest.mark.slow
+def test_cpu_target_draft_bucket(spec_runner):
+    """The cpu target's draft bucket (one AOTInductor graph beside the staged buckets; its head
+    through the cpu kernel on the main head's prepared layout): speculating with it gives plain
+    decoding's tokens, logits and state bit for bit, and seeded with a prompt's tapped prefill its
+    greedy drafts are the eager drafter's (GEMM order fused) from the bundle's tensors."""
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import bundle_drafter
+    from dsneuron.runtime_min.core.drafter import CompiledDrafter
+
+    assert [(b.batch, b.seq_len, b.stages) for b in spec_runner.manifest.buckets if b.kind == "draft"] == [(1, K, ())]
+    prompt, n = PROMPT + [7, 8, 9], 12
+    tokens, logits, state = _runner_plain(spec_runner, prompt, n)
+    target = sp.RunnerTarget(spec_runner)
+    compiled = CompiledDrafter(spec_runner)
+    res = sp.generate(target, compiled, [prompt], n, K)
+    assert res.tokens[0] == tokens and all(torch.equal(a, b) for a, b in zip(res.logits[0], logits))
+    assert not _same_runner_state(res.state, state)
+    cfg = ModelConfig.from_dict(spec_runner.manifest.model_config)
+    eager = bundle_drafter(spec_runner.bundle, cfg, 1024, order="fused")
+    v = target.prefill([prompt])
+    token, pos = v.last_logits().argmax(-1), v.count - 1
+    drafts = [d.propose(d.seed(d.start(1), v.main_hidden, torch.zeros(1, dtype=torch.int64), v.count), token, pos, K,
+                        0.0, None)[0] for d in (eager, compiled)]
+    assert torch.equal(drafts[0], drafts[1]), drafts
+
+
+@pytest.mark.slow
 def test_run_speculative_tokens_with_the_bundles_drafter_prints_the_plain_text(spec_runner, monkeypatch, capsys):
     """`dsneuron run B --speculative-tokens 3` on a bundle compiled with `--speculative dspark`
     (no --draft-checkpoint): the plain run's text, and --stats reports the verify steps."""
@@ -626,7 +653,10 @@ def test_compile_refuses_bad_speculative_flags_before_reading(monkeypatch, capsy
 
 def test_model_parts_store_the_drafter_without_touching_the_executables_keys(micro_checkpoint):
     """build_model_parts with speculative dspark: every mtp.* tensor of the checkpoint is a host
-    weight, stored from its checkpoint bytes (a file region source), and the weights digest the
+    weight, stored from its checkpoint bytes (a file region source), but wo_a's weight, which the
+    draft bucket's drafter holds dequantised to bf16 (and so it is stored; its scale stays), and
+    a head widened to fp32 is stored narrowed back to its checkpoint dtype; the parts hold the
+    drafter the draft bucket traces, over exactly those tensors; the weights digest the main
     executables' cache keys use is the plain compile's (so a speculative compile reuses them)."""
     import dataclasses
 
@@ -643,7 +673,13 @@ def test_model_parts_store_the_drafter_without_touching_the_executables_keys(mic
     mtp = sorted(n for n in map_checkpoint(micro_checkpoint, model_cfg,
                                                    engram_layout(model_cfg).num_embeddings).tensors if n.startswith("mtp."))
     assert mtp and sorted(spec.host_weights) == mtp and not plain.host_weights
-    assert all(n in spec.sources and n in spec.weights for n in mtp)
+    wo_a = [n for n in mtp if n.endswith("attn.wo_a.weight")]
+    assert wo_a and all(spec.weights[n].dtype == torch.bfloat16 and n not in spec.sources for n in wo_a)
+    assert all(n in spec.sources and n in spec.weights for n in mtp if n not in wo_a)
+    assert spec.stored_dtypes["mtp.0.markov_head.head.weight"] == torch.bfloat16
+    assert spec.weights["mtp.0.markov_head.head.weight"].dtype == torch.float32
+    held = {p.untyped_storage().data_ptr() for p in spec.steps.drafter.parameters()}
+    assert all(spec.weights[n].untyped_storage().data_ptr() in held for n in mtp if not n.endswith("wo_a.scale"))
     assert set(spec.weights) - set(plain.weights) == set(mtp)
     host = set(spec.host_weights)
     assert _weights_digest({n: t for n, t in spec.weights.items() if n not in host}) == _weights_digest(plain.weights)

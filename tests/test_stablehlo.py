@@ -199,8 +199,8 @@ def test_stablehlo_only_is_refused_off_neuron_and_with_sharding(monkeypatch, cap
 @pytest.fixture(scope="module")
 def micro_stablehlo(tmp_path_factory):
     """`dsneuron compile --config micro --target neuron --stablehlo-only --probes --speculative dspark`:
-    all 12 buckets (6 prefill, 2 decode, 2 chunk, 2 verify; about 4 minutes on 2 cores) and the
-    drafter's tensors, as a user runs it, in a process of its own: this one may have
+    all 14 buckets (6 prefill, 2 decode, 2 chunk, 2 verify, 2 draft; about 4 minutes on 2 cores) and
+    the drafter's tensors, as a user runs it, in a process of its own: this one may have
     JAX's threads up already, after which the compile would not fork its workers (compiler/staged.py
     threaded_runtimes) and run one task at a time."""
     import subprocess
@@ -220,16 +220,17 @@ def _micro_plan():
     from dsneuron.compiler.config import load_config
 
     model_cfg, compile_cfg, _ = load_config("micro")
-    return model_cfg, plan_buckets(compile_cfg, model_cfg).with_chunks().with_verify(1 + model_cfg.dspark_block_size)
+    block = model_cfg.dspark_block_size
+    return model_cfg, plan_buckets(compile_cfg, model_cfg).with_chunks().with_verify(1 + block).with_draft(block)
 
 
 def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composites(micro_stablehlo):
     bundle = micro_stablehlo / "bundle"
     m = Manifest.from_json((bundle / "manifest.json").read_text())
     model_cfg, plan = _micro_plan()
-    assert len(m.buckets) == len(plan.buckets) == 12
+    assert len(m.buckets) == len(plan.buckets) == 14
     kinds = sorted(b.kind for b in m.buckets)
-    assert kinds.count("chunk") == kinds.count("verify") == 2
+    assert kinds.count("chunk") == kinds.count("verify") == kinds.count("draft") == 2
     verify = next(b for b in m.buckets if b.kind == "verify" and b.batch == 2)
     T = len(model_cfg.dspark_target_layer_ids)
     assert [(o.name, o.shape, o.dtype) for o in verify.outputs[:2]] == [
@@ -245,7 +246,9 @@ def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composit
         assert b.file.endswith(".mlirbc") and record["format"] == "stablehlo-portable-artifact"
         assert facts["arguments"] == len(b.weights) + len(b.inputs) and facts["results"] == len(b.outputs)
         assert facts["float8_types"] == [] and facts["f64_ops"] == 0 and facts["ops"]["while"] == 0
-        assert facts["composites"] == {COMPOSITE_PREFIX + "sparse_attn_kernel": layers}
+        # the drafter's stages attend through the same kernel
+        assert facts["composites"] == {COMPOSITE_PREFIX + "sparse_attn_kernel": layers if b.kind != "draft" else
+                                       model_cfg.n_mtp_layers}
         assert facts["ops"]["custom_call"] == 0 and facts["largest_constant"] <= 4096  # weights are arguments
         text = bundle / "buckets" / record["text"]  # a module this small comes as text too
         assert text.read_text().startswith("module") and m.files[f"buckets/{record['text']}"]
@@ -279,14 +282,25 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
         report = compare_outputs(model_cfg, pb.label, graph.outputs, got, eager_outputs(graph.module, inputs))
         measured[pb.label] = logits_within_floor(report)
         assert not [a.name for a in report.outputs if a.zero_mismatch], pb.label
-        logits = next(a for a in report.outputs if a.name == "logits")
+        logits = next(a for a in report.outputs if a.name.endswith("logits"))
         assert math.isfinite(logits.max_rel) and logits.cos > 0.9, (pb.label, logits)
-    assert len(measured) == 12
+        if pb.kind == "draft":  # in one GEMM order both ways (no floor): the same block to fp32 rounding
+            assert logits.max_rel < 1e-4, (pb.label, logits)
+    assert len(measured) == 14
     bundle, floor = (sum(v[i] for v in measured.values()) / len(measured) for i in (0, 1))
     assert bundle <= floor, measured
 
 
-def test_a_prompt_runs_as_chunks_on_the_stablehlo_bundle(micro_stablehlo):
+@pytest.fixture(scope="module")
+def micro_runner(micro_stablehlo):
+    """One runner of the micro StableHLO bundle for the tests that run it: XLA compiles each module
+    once, on first use."""
+    from dsneuron.runtime_min.session import Session
+
+    return Session.load(micro_stablehlo / "bundle").runner
+
+
+def test_a_prompt_runs_as_chunks_on_the_stablehlo_bundle(micro_runner):
     """The neuron target's chunk buckets, run on XLA:CPU through the runtime: a 40-token prompt as a
     prefill of 16 and chunks of 16 (each padded to the static chunk of 64) gives the one-shot
     prefill's logits within 1 - cos < 0.02 (two graphs sum in two orders, and micro's random weights
@@ -297,9 +311,8 @@ def test_a_prompt_runs_as_chunks_on_the_stablehlo_bundle(micro_stablehlo):
     import torch
 
     from dsneuron.compiler.compare import logit_metrics
-    from dsneuron.runtime_min.session import Session
 
-    runner = Session.load(micro_stablehlo / "bundle").runner
+    runner = micro_runner
     assert runner.lengths("chunk", 1) == [64]
     ids = torch.randint(3, 128000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     whole = runner.prefill_job(ids).run()
@@ -339,7 +352,7 @@ class _OracleDrafter:
         return out, None
 
 
-def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_stablehlo):
+def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_runner):
     """DSpark's verify on the neuron target's own buckets, run on XLA:CPU through the runtime: two
     prompts in one batch, a TEST-ONLY oracle drafter (row 0 always right, row 1 wrong at its
     second draft), so the rows keep different counts in the same verify calls. Each row's greedy
@@ -347,15 +360,16 @@ def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_stablehlo):
     kept token's logits within 1 - cos < 0.02 of plain decoding's (the verify module sums in
     its own order: measured up to 6e-4), the oracle's drafts kept (mean acceptance > 2 of at
     most 4), and main_hidden seeds the drafter after every verify, bf16 [2, 4, T*D]. Then the
-    bundle's own DSpark drafter (random weights: it keeps ~nothing) gives the same tokens, and
-    the scheduler speculating with it (`serve --speculative-tokens`) the plain scheduler's text."""
+    bundle's own DSpark drafter (random weights: it keeps ~nothing), eager and as its draft
+    bucket (what `run` and `serve` draft with), gives the same tokens, and the scheduler
+    speculating with the draft bucket (`serve --speculative-tokens`) the plain scheduler's text."""
     from dsneuron.compiler.compare import logit_metrics
     from dsneuron.graphs.config import ModelConfig
     from dsneuron.graphs.dspark import bundle_drafter
     from dsneuron.runtime_min.core import speculative as sp
-    from dsneuron.runtime_min.session import Session
+    from dsneuron.runtime_min.core.drafter import CompiledDrafter
 
-    runner = Session.load(micro_stablehlo / "bundle").runner
+    runner = micro_runner
     cfg = ModelConfig.from_dict(runner.manifest.model_config)
     prompts = [[5, 17, 23, 99, 1234, 40000], [7, 8, 9, 10]]
     n = 10
@@ -380,8 +394,10 @@ def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_stablehlo):
         assert worst < 0.02, (b, worst)
     kept = res.stats.accepted
     assert res.stats.mean_acceptance > 2 and 4 in kept and res.stats.replays > 0, kept
-    drafter = bundle_drafter(runner.bundle, cfg, runner.max_capacity, order="fused")
-    assert sp.generate(target, drafter, prompts[:1], n, 3).tokens[0] == plain[0][0]
+    eager = bundle_drafter(runner.bundle, cfg, runner.max_capacity, order="fused")
+    compiled = CompiledDrafter(runner)
+    for drafter in (eager, compiled):
+        assert sp.generate(target, drafter, prompts[:1], n, 3).tokens[0] == plain[0][0]
 
     from dsneuron.runtime_min.core.scheduler import Request
     from dsneuron.runtime_min.session import Session
@@ -394,8 +410,48 @@ def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_stablehlo):
         sch.run()
         return [(r.generated, r.text, r.finish_reason) for r in reqs]
 
+    drafter = compiled
     speculation = sp.Speculation(drafter, 3)
     assert scheduled(speculation) == scheduled() and speculation.counts.steps > 0
+
+
+def test_the_draft_bucket_drafts_what_the_eager_drafter_drafts(micro_runner):
+    """The drafter's bucket on XLA:CPU (runtime_min/core/drafter.py) against the eager DSpark from
+    the bundle's stored tensors, both seeded with a verify's main_hidden (4 positions: one call)
+    and then with 21 more positions (more than window_size 16: only the last 16 can stay, written
+    in one call): the same greedy drafts, and rings that differ in at most 1 element in 1,000
+    (an FP8 code of main_kv one rounding apart). Sampled: q is the softmax of the returned logits,
+    each row a distribution. A batch of 3 rows runs padded in no bucket: ValueError naming the
+    largest."""
+    from dsneuron.graphs.config import ModelConfig
+    from dsneuron.graphs.dspark import bundle_drafter
+    from dsneuron.runtime_min.core.drafter import CompiledDrafter
+
+    runner = micro_runner
+    cfg = ModelConfig.from_dict(runner.manifest.model_config)
+    eager = bundle_drafter(runner.bundle, cfg, runner.max_capacity, order="fused")
+    compiled = CompiledDrafter(runner)
+    assert (compiled.block, compiled.seed_len, compiled.window) == (3, cfg.window_size, cfg.window_size)
+    prompt = [5, 17, 23, 99, 1234, 40000]
+    state = runner.prefill([prompt], 1).state
+    v = runner.verify(torch.tensor([[7, 8, 9, 10]]), torch.tensor([6]), torch.tensor([4]), state,
+                      cfg.dspark_target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    long = (torch.randn(1, 21, v.main_hidden.size(2), generator=g) * 4).to(torch.bfloat16)
+    caches = [d.seed(d.start(1), v.main_hidden, v.pos, v.count) for d in (eager, compiled)]
+    token, pos = torch.tensor([11]), torch.tensor([9])
+    for step in range(2):
+        drafts = [d.propose(c, token, pos, 3, 0.0, None)[0] for d, c in zip((eager, compiled), caches)]
+        assert torch.equal(drafts[0], drafts[1]), (step, drafts)
+        rings = [caches[0].rings[0], caches[1].rings[0]]
+        assert float((rings[0] != rings[1]).float().mean()) <= 1e-3, step
+        caches = [d.seed(c, long, torch.tensor([10]), torch.tensor([21])) for d, c in zip((eager, compiled), caches)]
+        token, pos = torch.tensor([12]), torch.tensor([30])
+    _, q = compiled.propose(caches[1], token, pos, 2, 0.7, torch.Generator().manual_seed(1))
+    assert q.shape == (1, 2, cfg.vocab_size) and torch.allclose(q.sum(-1), torch.ones(1, 2, dtype=q.dtype))
+    with pytest.raises(ValueError, match="largest draft bucket takes 2"):
+        compiled.propose(compiled.start(3), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 3,
+                         0.0, None)
 
 
 def test_every_micro_stage_is_within_2_ulps_or_a_named_deviation(micro_stablehlo):

@@ -51,6 +51,13 @@ chunk bucket's inputs and state, whose outputs are the logits [B, S, V] float32 
 then `main_hidden` [B, S, T*D] bfloat16 (the stream entering each DSpark target layer's attention,
 averaged over its hc copies, in target order), then the new state: the neuron target's way to
 verify drafts, where the cpu target taps its staged chunk bucket instead.
+Draft buckets (schema version 7; the DSpark drafter's step, graphs/dspark.py DraftStep; seq_len is
+its block K, capacity the context it drafts within): inputs token [B] int64, pos [B] int64,
+main_hidden [B, S, T*D] bfloat16 (a verify's, S = 1 + K), seed_pos [B] and seed_count [B] int64
+(the positions of main_hidden to write into the rings), gumbel [B, K, V] float32 and temperature
+[B] float32 (the draw), then one ring per drafter stage `mtp.<s>.ring` [B, W, head_dim] bfloat16;
+outputs draft_tokens [B, K] int64, draft_logits [B, K, V] float32, confidence [B, K] float32, then
+the rings. The rings are the drafter's state, not the model's: the runtime keeps them per request.
 
 State across capacities: a state tensor whose shape depends on the context capacity differs from its
 shape at another capacity in exactly one dimension; rows along it are indexed by position (or by a
@@ -74,7 +81,7 @@ from dsneuron.kernels_nki.prepare import PREPARE_FORMATS, Prepare
 SCHEMA_VERSION = 2
 #: versions this runtime reads: 1 has single-executable buckets only, 2 adds staged buckets and
 #: min_seq_len (fields appended with defaults, so a version-1 manifest reads unchanged), 3 weight_files,
-#: 4 chunk buckets, 5 numerics "fast", 6 state written in place, 7 verify buckets
+#: 4 chunk buckets, 5 numerics "fast", 6 state written in place, 7 verify and draft buckets
 SUPPORTED_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: the version of a manifest whose staged buckets write state in place (`written_in_place`): an
 #: older runtime would hand the stages the caller's own state tensors
@@ -94,18 +101,22 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 BUCKETS_DIR = "buckets"
-KINDS = ("prefill", "decode", "chunk", "verify")
+KINDS = ("prefill", "decode", "chunk", "verify", "draft")
 #: the data inputs of each kind, in order, before the state inputs (module docstring)
 DATA_INPUTS = {"prefill": ("tokens", "valid_len", "engram_ids"), "decode": ("tokens", "pos", "engram_ids"),
                "chunk": ("tokens", "pos", "valid_len", "engram_ids"),
-               "verify": ("tokens", "pos", "valid_len", "engram_ids")}
+               "verify": ("tokens", "pos", "valid_len", "engram_ids"),
+               "draft": ("token", "pos", "main_hidden", "seed_pos", "seed_count", "gumbel", "temperature")}
 #: the version of a manifest with chunk buckets: an older runtime does not know the kind
 CHUNK_SCHEMA_VERSION = 4
 #: the version of a manifest with verify buckets (a speculative verify's chunk returning the logits
-#: fp32 [B, S, V] and MAIN_HIDDEN bf16 [B, S, T*D] at every position): an older runtime does not know the kind
-VERIFY_SCHEMA_VERSION = 7
+#: fp32 [B, S, V] and MAIN_HIDDEN bf16 [B, S, T*D] at every position) or draft buckets (the DSpark
+#: drafter's step): an older runtime does not know the kinds
+SPECULATIVE_SCHEMA_VERSION = 7
 #: a verify bucket's second output: the stream entering each DSpark target layer, hc-averaged
 MAIN_HIDDEN = "main_hidden"
+#: a draft bucket's outputs before its rings (module docstring)
+DRAFT_OUTPUTS = ("draft_tokens", "draft_logits", "confidence")
 #: wiring values of a staged bucket the runtime derives from its data inputs: "engram_ids.e" (column e
 #: of engram_ids, [B, S, C]) and "last" (int64 [B], the position the head reads: valid_len - 1 in a
 #: prefill, 0 in a decode step)
@@ -593,10 +604,13 @@ def _check_buckets(m: "Manifest") -> None:
             raise BundleError(f"{where}.seq_len: a decode bucket takes one token per call (got {b.seq_len})")
         if b.kind != "decode" and b.capacity < b.seq_len:
             raise BundleError(f"{where}.capacity: {b.capacity} cannot hold the {b.kind}'s {b.seq_len} positions")
-        for kind, version in (("chunk", CHUNK_SCHEMA_VERSION), ("verify", VERIFY_SCHEMA_VERSION)):
-            if b.kind == kind and m.schema_version < version:
-                raise BundleError(f"{where}: a {kind} bucket needs schema version {version} (the manifest says "
+        for kinds, version in ((("chunk",), CHUNK_SCHEMA_VERSION), (("verify", "draft"), SPECULATIVE_SCHEMA_VERSION)):
+            if b.kind in kinds and m.schema_version < version:
+                raise BundleError(f"{where}: a {b.kind} bucket needs schema version {version} (the manifest says "
                                   f"{m.schema_version})")
+        if b.kind == "draft":
+            vocab.add(_check_draft(b, where))
+            continue
         if b.kind == "verify":
             _check_verify_outputs(b, where)
         elif not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
@@ -628,6 +642,40 @@ def _check_buckets(m: "Manifest") -> None:
         value = getattr(m.tokenizer, key)
         if not 0 <= value < V:
             raise BundleError(f"{MANIFEST}: tokenizer.{key} {value} is not a token id in 0..{V - 1}")
+
+
+def _check_draft(b: Bucket, where: str) -> int:
+    """A draft bucket's inputs and outputs (module docstring: DATA_INPUTS["draft"], then one ring
+    per drafter stage; DRAFT_OUTPUTS, then the same rings), by name, dtype and the shapes its
+    batch B and block K (seq_len) fix; returns its vocabulary V. Raises BundleError naming the
+    first mismatch."""
+    B, K = b.batch, b.seq_len
+    names = DATA_INPUTS["draft"]
+    data, rings = b.inputs[:len(names)], b.inputs[len(names):]
+    if [s.name for s in data] != list(names) or not rings:
+        raise BundleError(f"{where}.inputs: a draft bucket takes {', '.join(names)}, then one ring per drafter stage "
+                          f"(got {', '.join(s.name for s in b.inputs) or 'none'})")
+    outs = b.outputs[:len(DRAFT_OUTPUTS)]
+    if [s.name for s in outs] != list(DRAFT_OUTPUTS) or [s.name for s in b.outputs[len(DRAFT_OUTPUTS):]] != \
+            [s.name for s in rings]:
+        raise BundleError(f"{where}.outputs: a draft bucket returns {', '.join(DRAFT_OUTPUTS)}, then its rings "
+                          f"(got {', '.join(s.name for s in b.outputs) or 'none'})")
+    V = outs[1].shape[-1] if len(outs[1].shape) == 3 else 0
+    want = {"token": ("int64", (B,)), "pos": ("int64", (B,)), "seed_pos": ("int64", (B,)),
+            "seed_count": ("int64", (B,)), "gumbel": ("float32", (B, K, V)), "temperature": ("float32", (B,)),
+            "draft_tokens": ("int64", (B, K)), "draft_logits": ("float32", (B, K, V)), "confidence": ("float32", (B, K))}
+    for spec in (*data, *outs):
+        dtype, shape = want.get(spec.name, ("bfloat16", None))
+        if spec.dtype != dtype or (shape is not None and spec.shape != shape) or not V \
+                or (shape is None and (len(spec.shape) != 3 or spec.shape[0] != B)):
+            raise BundleError(f"{where}: {spec.name} must be {dtype} {list(shape) if shape else f'[{B}, S, T*D]'} with "
+                              f"V > 0 (got {spec.dtype} {list(spec.shape)})")
+    for spec, out in zip(rings, b.outputs[len(DRAFT_OUTPUTS):]):
+        if spec.dtype != "bfloat16" or len(spec.shape) != 3 or spec.shape[0] != B or out.shape != spec.shape \
+                or out.dtype != spec.dtype:
+            raise BundleError(f"{where}: ring {spec.name} must be bfloat16 [{B}, W, head_dim] in and out (got "
+                              f"{spec.dtype} {list(spec.shape)} -> {out.dtype} {list(out.shape)})")
+    return V
 
 
 def _check_verify_outputs(b: Bucket, where: str) -> None:

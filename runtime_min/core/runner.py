@@ -210,7 +210,8 @@ class Runner:
             raise BundleError("manifest host_preprocessing.engram: the executables take engram ids but the "
                               "manifest carries no hashing parameters")
         self.hasher = make_engram_hasher(params) if takes_engram else None
-        self.vocab_size = vocab = m.buckets[0].outputs[0].shape[1]  # schema.py checks every bucket agrees
+        # schema.py checks every bucket agrees (a draft bucket's first output is its tokens)
+        self.vocab_size = vocab = next(b for b in m.buckets if b.kind == "prefill").outputs[0].shape[1]
         if self.hasher is not None and self.hasher.vocab_size != vocab:
             raise BundleError(f"manifest host_preprocessing.engram.token_map: maps {self.hasher.vocab_size} token ids, "
                               f"the model's vocabulary has {vocab}")
