@@ -116,28 +116,30 @@ class BucketPlan:
 
     def with_verify(self, tokens: int) -> "BucketPlan":
         """The plan plus one verify bucket of `tokens` tokens (1 + the drafter's block: the last
-        accepted token and its drafts) per batch size and decode capacity: a verify continues a
-        decode state of any length, at the smallest capacity holding it, as a decode step does."""
+        accepted token and its drafts) per decode capacity, at the smallest batch size (1 unless
+        the config has none): the scheduler and `run` verify each request in a call of its own. A
+        verify continues a decode state of any length, at the smallest capacity holding it, as a
+        decode step does."""
         return dataclasses.replace(self, verify_len=tokens)
 
     def with_draft(self, block: int) -> "BucketPlan":
-        """The plan plus one draft bucket per batch size (the DSpark drafter's step, drafting
-        `block` tokens) at the largest decode capacity: its rings are window_size rows whatever
-        the context, and the capacity only bounds the positions it drafts at."""
+        """The plan plus one draft bucket (the DSpark drafter's step, drafting `block` tokens) at
+        the smallest batch size, as `with_verify`, and the largest decode capacity: its rings are
+        window_size rows whatever the context, and the capacity only bounds the positions it
+        drafts at."""
         return dataclasses.replace(self, draft_len=block)
 
     @property
     def draft(self) -> tuple[PlannedBucket, ...]:
         if not self.draft_len:
             return ()
-        return tuple(PlannedBucket("draft", b, self.draft_len, self.decode_capacities[-1]) for b in self.batch_sizes)
+        return (PlannedBucket("draft", self.batch_sizes[0], self.draft_len, self.decode_capacities[-1]),)
 
     @property
     def verify(self) -> tuple[PlannedBucket, ...]:
         if not self.verify_len:
             return ()
-        return tuple(PlannedBucket("verify", b, self.verify_len, c) for b in self.batch_sizes
-                     for c in self.decode_capacities)
+        return tuple(PlannedBucket("verify", self.batch_sizes[0], self.verify_len, c) for c in self.decode_capacities)
 
     @property
     def decode(self) -> tuple[PlannedBucket, ...]:

@@ -457,7 +457,7 @@ def test_sigterm_under_load_ends_every_request_and_exits_0(bundle):
     (["--speculative-tokens", "-1"], "--speculative-tokens must be >= 0"),
     (["--draft-checkpoint", "ckpt"], "--draft-checkpoint is used only with --speculative-tokens"),
     (["--port", "0", "--speculative-tokens", "2"], "carries no drafter; compile it with --speculative dspark"),
-    (["--port", "0", "--speculative-tokens", "2", "--draft-checkpoint", "ckpt"], "verifies drafts on a staged chunk bucket"),
+    (["--port", "0", "--speculative-tokens", "2", "--draft-checkpoint", "ckpt"], "verifies drafts on a verify bucket"),
 ])
 def test_bad_serve_flags_exit_2(bundle, flags, words):
     cmd = [sys.executable, "-c", "from dsneuron.compiler.cli import main; main()", "serve", str(bundle), *flags]
