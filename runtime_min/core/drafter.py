@@ -1,15 +1,15 @@
 """The DSpark drafter's compiled bucket as runtime_min/core/speculative.py's `Drafter`.
 
-A bundle compiled with `--speculative dspark` for a target that compiles the drafter (the neuron
-target) holds one draft bucket per batch size (runtime_min/bundle/schema.py, kind "draft";
+A bundle compiled with `--speculative dspark` holds a draft bucket at batch 1 (the neuron and the
+cpu target compile it; runtime_min/bundle/schema.py, kind "draft";
 graphs/dspark.py DraftStep): one call seeds the drafter's rings with the positions the last
 verify kept and drafts a block, as the reference's forward_spec does at a decode step. The rings
 are the drafter's own state (one bf16 [B, W, head_dim] per stage), kept here per call site (the
 library loop's batch, or one request's row in the scheduler), never in the model's state.
 
 `seed` records what to write and the next `propose` writes it in the same call as the draft: the
-last window_size positions of a seed at most (all a ring keeps), which one call takes. Seeds
-recorded twice before a draft run as calls of their own first, their drafts unused. Sampling: the caller's
+last window_size positions of a seed at most (all a ring keeps; the bucket takes that many a
+call). Seeds recorded twice before a draft run as calls of their own first, their drafts unused. Sampling: the caller's
 generator draws the Gumbel noise the bucket's draw takes (the Gumbel-max draw of softmax(logits
 / T), graphs/dspark.py DraftStep), and q is softmax(logits / T) of the returned logits, as the
 eager drafter reports it (graphs/dspark.py draft_probs).
@@ -60,18 +60,14 @@ class CompiledDrafter:
 
     def seed(self, cache: DraftRings, main_hidden: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> DraftRings:
         """Write row b's positions start[b] .. start[b]+count[b]-1 (main_hidden bf16 [B, S, T*D]) at
-        the next call; only the last window_size of them can stay in a ring, so only those are kept."""
+        the next call: the last seed_len (= window_size) of them, all a ring keeps."""
         B, S, _ = main_hidden.shape
-        first = torch.clamp(start + count - self.window, min=0)
-        first = torch.maximum(first, start)
-        n = start + count - first  # 0..window per row
-        pieces = list(cache.pending)
-        for at in range(0, int(n.max()) if B else 0, self.seed_len):
-            take = torch.clamp(n - at, min=0, max=self.seed_len)
-            rows = (first - start).unsqueeze(1) + at + torch.arange(self.seed_len)  # [B, L] within main_hidden
-            piece = main_hidden.gather(1, rows.clamp(max=S - 1).unsqueeze(-1).expand(B, self.seed_len, main_hidden.size(2)))
-            pieces.append((piece, first + at, take))
-        return DraftRings(cache.rings, pieces)
+        first = torch.maximum(start, start + count - self.seed_len)
+        if not B or not bool((count > 0).any()):
+            return cache
+        rows = (first - start).unsqueeze(1) + torch.arange(self.seed_len)  # [B, seed_len] within main_hidden
+        piece = main_hidden.gather(1, rows.clamp(max=S - 1).unsqueeze(-1).expand(B, self.seed_len, main_hidden.size(2)))
+        return DraftRings(cache.rings, [*cache.pending, (piece, first, start + count - first)])
 
     def propose(self, cache: DraftRings, token: torch.Tensor, pos: torch.Tensor, k: int, temperature: float,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,8 +83,8 @@ class CompiledDrafter:
         exe = self.runner.executable("draft", batch, next(b.capacity for b in self.buckets if b.batch == batch))
         pad = batch - B
 
-        def rows(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
-            return t if not pad else torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype)])
+        def rows(t: torch.Tensor) -> torch.Tensor:  # filler rows past B
+            return t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
 
         K, V = self.block, self.vocab
         idle = (torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64))
