@@ -5,10 +5,10 @@
 On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.py `Runner.verify`):
 
 - decode: one decode step (the decode bucket), the median of --repeats;
-- verify: one verify of 1 + k tokens (the chunk bucket, padded to its length, read at every
-  position: the head through the widest decode bucket's head stage and the target layers' streams)
-  and the chunk call alone
-  (= a replay of the kept tokens after a rejection);
+- verify: one verify of 1 + k tokens (the verify bucket, or without one the chunk bucket, padded
+  to its next token count, read at every position: the verify's head at every position, or the
+  widest decode bucket's head stage, and the target layers' streams) and the call alone, its head
+  skipped (= a replay of the kept tokens after a rejection);
 - drafter: one DSpark draft of a block from the checkpoint's mtp.* weights (--checkpoint) or the
   bundle's own (`compile --speculative dspark`), EAGER in the golden's exact numerics
   (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), and again in GEMM order

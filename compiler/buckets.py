@@ -92,10 +92,11 @@ class BucketPlan:
 
     def with_dynamic_prefill(self, step: int) -> "BucketPlan":
         """The plan of a backend whose prefill executables take a dynamic token count: one prefill
-        bucket per batch size, for every multiple of `step` from 2 * step to the largest prefill
+        bucket per batch size, for every multiple of `step` from `step` to the largest prefill
         length (a prompt runs at its own length rounded up to `step`: one compile instead of one
-        per length, and padding below `step` tokens instead of up to the next bucket)."""
-        return dataclasses.replace(self, prefill_seq_lens=(self.prefill_seq_lens[-1],), min_prefill=2 * step,
+        per length, and padding below `step` tokens instead of up to the next bucket; a chunk of
+        1 + 5 tokens, a speculative verify on tiny, runs at 8 tokens)."""
+        return dataclasses.replace(self, prefill_seq_lens=(self.prefill_seq_lens[-1],), min_prefill=step,
                                    prefill_step=step)
 
     def with_chunks(self) -> "BucketPlan":
@@ -119,7 +120,9 @@ class BucketPlan:
         accepted token and its drafts) per decode capacity, at the smallest batch size (1 unless
         the config has none): the scheduler and `run` verify each request in a call of its own. A
         verify continues a decode state of any length, at the smallest capacity holding it, as a
-        decode step does."""
+        decode step does. Where the prefill takes a token range (`with_dynamic_prefill`: a staged
+        target), the verify buckets are instead the chunk buckets' shapes at batch_sizes[0] (their
+        stages are the chunk's, the head at every position: the same executables but one)."""
         return dataclasses.replace(self, verify_len=tokens)
 
     def with_draft(self, block: int) -> "BucketPlan":
@@ -139,6 +142,8 @@ class BucketPlan:
     def verify(self) -> tuple[PlannedBucket, ...]:
         if not self.verify_len:
             return ()
+        if self.min_prefill:
+            return tuple(dataclasses.replace(pb, kind="verify") for pb in self.chunk if pb.batch == self.batch_sizes[0])
         return tuple(PlannedBucket("verify", self.batch_sizes[0], self.verify_len, c) for c in self.decode_capacities)
 
     @property

@@ -373,9 +373,9 @@ def dynamic_prefill_step(model_cfg: ModelConfig) -> int:
     """The token step of a dynamic prefill: the lcm of the compress ratios (as the static prefill
     buckets are multiples of it) and of the candidate source's ratio times candidate_block_size,
     so the graph has no floor division of the token count (the compressed groups and the
-    candidate blocks tile it exactly); the prefill takes at least two steps, as a dimension of
-    size 1 would specialise the export. A prompt is padded up to the next multiple, exact by the
-    model's padding invariance."""
+    candidate blocks tile it exactly); the export's example is the largest length, so no
+    dimension is specialised at 1 (compiler/export.py). A prompt is padded up to the next
+    multiple, exact by the model's padding invariance."""
     ratios = [r for r in model_cfg.compress_ratios[:model_cfg.n_layers] if r]
     if model_cfg.candidate_source_layer >= 0:
         ratios.append(model_cfg.compress_ratios[model_cfg.candidate_source_layer] * model_cfg.candidate_block_size)
@@ -392,16 +392,16 @@ def bucket_plan(compile_cfg: CompileConfig, model_cfg: ModelConfig, steps: Any, 
     """The buckets `compile_bundle` compiles for `target`: the config's plan (plan_buckets, which
     raises ConfigError), with one dynamic prefill bucket per batch size where the target is staged,
     chunk buckets where compile.chunked_prefill asks for them and `steps` can build them, and, for
-    speculative decoding, verify buckets of 1 + dspark_block_size tokens on a target that is not
-    staged (whose verify cannot tap a chunk bucket), and, where `steps` holds the drafter, its
-    draft buckets (one graph each, on a staged target too)."""
+    speculative decoding, verify buckets (1 + dspark_block_size tokens; on a staged target the chunk
+    buckets' shapes, their head at every position) and, where `steps` holds the drafter, its draft
+    buckets (one graph each, on a staged target too)."""
     plan = plan_buckets(compile_cfg, model_cfg)
     staged = is_staged(steps, target)
     if staged:
         plan = plan.with_dynamic_prefill(dynamic_prefill_step(model_cfg))
     if compile_cfg.chunked_prefill and (staged or callable(getattr(steps, "chunk", None))):
         plan = plan.with_chunks()
-    if compile_cfg.speculative == "dspark" and not staged and callable(getattr(steps, "verify", None)):
+    if compile_cfg.speculative == "dspark" and (plan.chunk if staged else callable(getattr(steps, "verify", None))):
         plan = plan.with_verify(1 + model_cfg.dspark_block_size)
     if compile_cfg.speculative == "dspark" and getattr(steps, "drafter", None) is not None:
         plan = plan.with_draft(model_cfg.dspark_block_size)

@@ -62,8 +62,16 @@ class GraphsStepFactory:
         return steps.init_state(self.cfg, batch, capacity)
 
     def prefill(self, batch: int, seq_len: int, capacity: int) -> StepGraph:
-        m = steps.PrefillStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer)
-        return StepGraph(m, tuple(zip(("tokens", "valid_len", "engram_ids"), m.example_inputs())), self._outputs(m))
+        """The single-graph prefill bucket (graphs/steps.py PrefillStep); with the drafter (a
+        speculative compile), it also returns main_hidden at each prompt's last window_size
+        positions, what seeds the drafter's rings (graphs/steps.py prefill_seed)."""
+        window = self.cfg.window_size if self.drafter is not None else 0
+        m = steps.PrefillStep(self.models[capacity], batch, seq_len, probes=self.probes, indexer=self.indexer,
+                              seed_window=window)
+        outputs = self._outputs(m)
+        if window:
+            outputs = (outputs[0], MAIN_HIDDEN, *outputs[1:])
+        return StepGraph(m, tuple(zip(("tokens", "valid_len", "engram_ids"), m.example_inputs())), outputs)
 
     def decode(self, batch: int, capacity: int) -> StepGraph:
         m = steps.DecodeStep(self.models[capacity], batch, probes=self.probes, indexer=self.indexer)
@@ -107,7 +115,7 @@ class GraphsStepFactory:
     def stages(self, kind: str, batch: int, seq_len: int, capacity: int, min_seq_len: int = 0,
                seq_len_step: int = 1, per_token_len: int | None = None) -> list[StageGraph]:
         """The bucket as graphs.stages stages, with example inputs at (batch, seq_len) and, when
-        min_seq_len > 0 (prefill, chunk), the token dimension dynamic: the multiples of seq_len_step in
+        min_seq_len > 0 (prefill, chunk, verify), the token dimension dynamic: the multiples of seq_len_step in
         min_seq_len..seq_len. The engram tables' row dimension is dynamic too, so both engram
         layers share one executable. With per_token_len, the per-token stages (embed, engram, MoE
         half, head) take any token count in 1..per_token_len instead, in prefill and decode buckets alike,
@@ -139,12 +147,12 @@ class GraphsStepFactory:
                     if len(shapes[n]) > 1:
                         shapes[n][1] = per_token_len
                         dynamic[n] = {1: "T"}
-            elif min_seq_len:
+            elif min_seq_len and min_seq_len < seq_len:  # one count (seq_len = the step) stays static
                 bounds["S"] = (min_seq_len, seq_len, seq_len_step)
                 for n in st.inputs:
                     if n in ("tokens", "h", "pre_mix") or n.startswith("engram_ids.") or n.endswith(".topk_idxs"):
                         dynamic[n] = {1: "S"}
-                    elif n.endswith(".candidates") and kind == "chunk":  # [B, S, the cache's rows]
+                    elif n.endswith(".candidates") and kind in ("chunk", "verify"):  # [B, S, the cache's rows]
                         dynamic[n] = {1: "S"}
                     elif n.endswith(".candidates"):
                         layer = int(n.split(".")[1])

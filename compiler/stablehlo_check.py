@@ -30,7 +30,7 @@ import torch
 
 from dsneuron.graphs.quant import dequantize_state
 from dsneuron.graphs.steps import state_format
-from dsneuron.runtime_min.bundle.schema import PROBE_PREFIX
+from dsneuron.runtime_min.bundle.schema import MAIN_HIDDEN, PROBE_PREFIX
 
 from .buckets import PlannedBucket
 from .export import CompileError
@@ -134,7 +134,7 @@ def bucket_inputs(steps: Any, hasher: Any, cfg: Any, pb: PlannedBucket, prefill_
     with torch.no_grad():
         out = graph.module(seq[:, :prefill_len], torch.full((B,), prefill_len, dtype=torch.int64),
                            eng[:, :prefill_len])
-    state = [t for name, t in zip(graph.outputs[1:], out[1:]) if not name.startswith(PROBE_PREFIX)]
+    state = [t for name, t in zip(graph.outputs[1:], out[1:]) if not name.startswith(PROBE_PREFIX) and name != MAIN_HIDDEN]
     pos = torch.full((B,), prefill_len, dtype=torch.int64)
     if pb.kind == "decode":
         return [seq[:, prefill_len:].contiguous(), pos, eng[:, prefill_len:].contiguous(), *state]

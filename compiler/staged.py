@@ -28,7 +28,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -88,9 +88,11 @@ class StagedCompile:
                                          per_token_len)
         ext = Path(bucket_file(pb.kind, pb.batch, pb.length, self.key_parts[2])).suffix
         stages, views, specs, outputs = [], {}, {}, {}
+        # a verify bucket's stages but its head are the chunk bucket's of its shape: one task makes both
+        shares = replace(pb, kind="chunk") if pb.kind == "verify" else pb
         for sg in graphs:
             # a per-token kind is one task per batch size, the others one per bucket
-            owner = ("per-token", pb.batch, sg.kind) if sg.per_token else (pb, sg.kind)
+            owner = ("per-token", pb.batch, sg.kind) if sg.per_token else (shares, sg.kind)
             if owner not in self.owners:
                 self.owners[owner] = _Task(pb, sg.kind, sg, f"{pb.batch_label if sg.per_token else pb.label} {sg.name}")
                 self.tasks.append(self.owners[owner])

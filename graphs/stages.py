@@ -24,13 +24,14 @@ Values flow between stages by name (the bundle's wiring):
 | layers.L.<state> | graphs.steps.state_layout | | layer L's decode state (prefill: outputs only) |
 | layers.L.topk_idxs | [B, S, index_topk] | int32 | index source L's compressed selections |
 | layers.L.candidates | [B, S, T] | bool | candidate source L's candidate mask (T = S // ratio in prefill, the cache's rows in decode and chunk) |
-| logits | [B, V] | fp32 | the head's output |
+| logits | [B, V] | fp32 | the head's output ([B, S, V] in a verify: every position's) |
 | probe.<stage> | | | captured stage tensors (probe bundles only) |
 
 A block that reads another layer's cache (a consumer of kv source K) takes `layers.K.compress_kv`
 (and `layers.K.index_k`) as inputs: the source's updated state, written by an earlier stage of
 the same step. Prefill stages make their layer's fresh state themselves and return it; decode and
-chunk stages take it as inputs.
+chunk stages take it as inputs. A speculative verify runs the chunk's stages with the head at
+every position (`HeadAllStage`) instead of the last.
 Running the stages in order is bit-identical to the step function (tests/test_stages.py).
 """
 
@@ -45,6 +46,7 @@ from torch import nn
 from .cache_rows import writes_in_place
 from .config import ModelConfig
 from .context import Capture, step_inputs
+from .mhc import hc_pre
 from .model import Transformer, embed_stream, engram_at, head_logits
 from .numerics import gemm_order, indexer_mode, kernel_numerics
 from .steps import init_state, state_layout
@@ -294,6 +296,21 @@ class HeadStage(_Captures):
         return self._finish((head_logits(self.norm, self.head, h, pre_mix, last, cap),), cap)
 
 
+class HeadAllStage(_Captures):
+    """(h, pre_mix) -> logits fp32 [B, S, V] at every position: a speculative verify's head, one
+    read of the vocabulary projection for all of a call's positions (graphs/dspark.py
+    `logits_from_capture`). Each position's logits are HeadStage's there: the kernels give a
+    row the same bits whatever the rows beside it."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.norm, self.head = model.norm, model.head
+
+    def run(self, h: torch.Tensor, pre_mix: torch.Tensor):
+        cap = self._capture()
+        return self._finish((self.head(self.norm(hc_pre(h, pre_mix)).float()),), cap)
+
+
 def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
     """The wiring value "last", int64 [B]: the position within the call whose logits the head
     returns, valid_len - 1 in a prefill (env has valid_len), 0 in a decode step (env has pos).
@@ -303,13 +320,20 @@ def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def build_stages(model: Transformer, step: str, batch: int, capacity: int, order: str = "ascending",
                  indexer: str = "official", numerics: str = "exact", in_place: bool = False) -> list[Stage]:
-    """The stages of a prefill, decode or chunk step of `model` at (batch, capacity), in run order,
-    each running with GEMM order `order` (the golden's "ascending" by default; the compiled steps
-    trace theirs), indexer mode `indexer` and kernel numerics `numerics`; in_place: a decode step's
-    attention stages write their one-row caches into their inputs (AttnStage). Raises ValueError
-    for an unknown step."""
+    """The stages of a prefill, decode, chunk or verify step of `model` at (batch, capacity), in
+    run order, each running with GEMM order `order` (the golden's "ascending" by default; the
+    compiled steps trace theirs), indexer mode `indexer` and kernel numerics `numerics`; in_place: a
+    decode step's attention stages write their one-row caches into their inputs (AttnStage). A
+    verify is the chunk's stages with the head at every position (HeadAllStage, kind "head_all").
+    Raises ValueError for an unknown step."""
+    if step == "verify":
+        stages = build_stages(model, "chunk", batch, capacity, order, indexer, numerics, in_place)
+        head = HeadAllStage(model)
+        head.order, head.indexer, head.numerics = order, indexer, numerics
+        stages[-1] = Stage("head", "head_all", head, ("h", "pre_mix"), ("logits",), per_token=True)
+        return stages
     if step not in DATA:
-        raise ValueError(f"build_stages: step must be one of {tuple(DATA)}, got {step!r}")
+        raise ValueError(f"build_stages: step must be one of {(*DATA, 'verify')}, got {step!r}")
     cfg = model.cfg
     stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"), per_token=True)]
     for L in range(cfg.n_layers):

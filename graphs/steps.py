@@ -177,6 +177,29 @@ def verify_chunk(model: Transformer, tokens: torch.Tensor, pos: torch.Tensor, va
     return logits_from_capture(model, cap), main_hidden_from_capture(model, cap, tokens), state
 
 
+def prefill_seed(model: Transformer, tokens: torch.Tensor, valid_len: torch.Tensor, engram_ids: torch.Tensor,
+                 window: int, capture: Capture | None = None, routed: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`prefill`, also returning main_hidden bf16 [B, W, T*D] (W = min(window, S)) at each row's
+    last W prompt positions, max(0, valid_len - W) onward (a row shorter than W: its valid_len
+    positions, then copies of its last): all of a prompt the DSpark drafter's rings keep (window =
+    window_size rows; graphs/dspark.py `DSpark.seed`), from a graph that is read at one position
+    (the neuron target's prefill, `--speculative dspark`) without returning the whole [B, S, T*D].
+    capture: a full Capture to record every stage as well (a probe build)."""
+    from .dspark import main_hidden_from_capture, target_stream_names
+
+    if not model.cfg.dspark_target_layer_ids:
+        raise ValueError("prefill_seed: the model has no DSpark target layers (dspark_target_layer_ids)")
+    B, S = tokens.shape
+    W = min(window, S)
+    cap = capture if capture is not None else _Only(target_stream_names(model.cfg))
+    logits, state = prefill(model, tokens, valid_len, engram_ids, cap, routed)
+    hidden = main_hidden_from_capture(model, cap, tokens)
+    first = (valid_len - W).clamp(min=0)
+    rows = torch.minimum(first.unsqueeze(1) + torch.arange(W, device=tokens.device), (valid_len - 1).unsqueeze(1))
+    return logits, hidden.gather(1, rows.unsqueeze(-1).expand(B, W, hidden.size(2))), state
+
+
 class _Probes:
     """Stage probes of a step module: with `probes` set, the step also returns every tensor the
     model's Capture records (graphs.context), in `probe_names()` order, after the state.
@@ -214,16 +237,18 @@ class PrefillStep(_Probes, nn.Module):
     default, one GEMM node per projection, which keeps the graph (and its compile time) small.
     indexer: the indexer mode (graphs.numerics.indexer_mode), "official" by default.
     probes: also return every captured stage tensor (see _Probes).
+    seed_window: > 0: also return main_hidden at each row's last min(seed_window, S) positions
+    (`prefill_seed`: what a speculative compile's drafter is seeded with).
 
     forward(tokens int64 [B,S], valid_len int64 [B], engram_ids int64 [B,S,E,C])
-        -> (logits fp32 [B,V], *state tensors in state_layout order)
+        -> (logits fp32 [B,V], [main_hidden bf16 [B,W,T*D],] *state tensors in state_layout order)
     """
 
     def __init__(self, model: Transformer, batch: int, seq_len: int, order: str = "fused", probes: bool = False,
-                 indexer: str = "official"):
+                 indexer: str = "official", seed_window: int = 0):
         super().__init__()
         self.model, self.batch, self.seq_len, self.order, self.probes = model, batch, seq_len, order, probes
-        self.indexer = indexer
+        self.indexer, self.seed_window = indexer, seed_window
         self.state_names = list(state_layout(model.cfg, batch, model.max_seq_len))
 
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -234,7 +259,17 @@ class PrefillStep(_Probes, nn.Module):
 
     def _run(self, tokens, valid_len, engram_ids, capture: Capture | None = None):
         with gemm_order(self.order), indexer_mode(self.indexer):
+            if self.seed_window:
+                return prefill_seed(self.model, tokens, valid_len, engram_ids, self.seed_window, capture)
             return prefill(self.model, tokens, valid_len, engram_ids, capture)
+
+    def forward(self, *inputs):
+        if not self.seed_window:
+            return super().forward(*inputs)
+        cap = Capture() if self.probes else None
+        logits, hidden, state = self._run(*inputs, capture=cap)
+        probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
+        return (logits, hidden, *[state[n] for n in self.state_names], *probes)
 
 
 class DecodeStep(_Probes, nn.Module):

@@ -343,7 +343,19 @@ def _with_draft(m: dict, version: int = 7, swap: bool = False, ring_out: list | 
     m["schema_version"] = version
 
 
+def _prefill_seeds(m: dict, version: int = 7, shape: list | None = None, dtype: str = "bfloat16") -> None:
+    """The prefill bucket of 8 tokens returns main_hidden after its logits (a speculative compile's
+    neuron prefill; only the manifest is read)."""
+    b = _bucket(m, "prefill", 8)
+    b["outputs"].insert(1, {"name": "main_hidden", "shape": shape or [b["batch"], 4, 32], "dtype": dtype})
+    m["schema_version"] = version
+
+
 @pytest.mark.parametrize("change, message", [
+    (lambda m: _prefill_seeds(m, version=6), r"a prefill returning main_hidden needs schema version 7 \(the manifest says 6\)"),
+    (lambda m: _prefill_seeds(m, dtype="float32"), r"a prefill's main_hidden must be bfloat16 \[batch=\d+, 1..seq_len=8, "
+                                                   r"T\*D > 0\] \(got float32"),
+    (lambda m: _prefill_seeds(m, shape=[1, 9, 32]), r"a prefill's main_hidden must be bfloat16 .* \(got bfloat16 \[1, 9, 32\]\)"),
     (lambda m: _with_verify(m, version=6), r"buckets\[3\]: a verify bucket needs schema version 7 \(the manifest says 6\)"),
     (lambda m: _with_verify(m, logits=[2, 258]), r"a verify bucket's first output must be the logits float32 "
                                                  r"\[batch=2, seq_len=3, V > 0\]"),
@@ -363,7 +375,9 @@ def test_malformed_verify_or_draft_bucket_names_the_field(copy, change, message)
 
 
 def test_well_formed_verify_and_draft_buckets_are_read(copy):
-    edit_manifest(copy, lambda m: (_with_verify(m), _with_draft(m)))
+    edit_manifest(copy, lambda m: (_with_verify(m), _with_draft(m), _prefill_seeds(m)))
+    assert next(b for b in open_bundle(copy).manifest.buckets if b.kind == "prefill" and b.seq_len == 8
+                ).outputs[1].name == "main_hidden"
     m = open_bundle(copy).manifest
     b = next(b for b in m.buckets if b.kind == "verify")
     assert (b.batch, b.seq_len, b.capacity, b.length) == (2, 3, 16, 16) and b.outputs[1].name == "main_hidden"

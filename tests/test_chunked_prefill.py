@@ -175,9 +175,33 @@ def test_chunk_buckets_at_and_above_the_largest_prefill(micro_cfg):
     cc = dataclasses.replace(load_config("micro")[1], prefill_seq_lens=(16,), decode_context_lens=(16, 32, 64))
     plan = plan_buckets(cc, micro_cfg).with_dynamic_prefill(8).with_chunks()
     assert [(b.kind, b.batch, b.seq_len, b.capacity, b.min_seq_len) for b in plan.chunk] == \
-        [("chunk", b, 16, c, 16) for b in cc.batch_sizes for c in (16, 32, 64)]
+        [("chunk", b, 16, c, 8) for b in cc.batch_sizes for c in (16, 32, 64)]
     assert plan.buckets[-len(plan.chunk):] == plan.chunk
     assert not plan_buckets(cc, micro_cfg).chunk  # only a staged compile asks for them
+
+
+def test_a_prefill_bucket_of_one_step_is_exported_at_its_one_length(micro_checkpoint, tmp_path):
+    """A dynamic prefill takes every multiple of the step from one step up (a 6-token verify pads
+    to 8 on tiny, not 16); where the largest prefill is one step long, the range holds one count
+    and the stages are exported at it, static (torch.export refuses a dimension of min = max: the
+    compile used to end in that traceback)."""
+    import dataclasses
+
+    from dsneuron.compiler.compile import build_steps_for_config, bucket_plan, dynamic_prefill_step
+    from dsneuron.compiler.config import load_config
+
+    model_cfg, compile_cfg, _ = load_config("micro")
+    step = dynamic_prefill_step(model_cfg)
+    cc = dataclasses.replace(compile_cfg, batch_sizes=(1,), prefill_seq_lens=(step,), decode_context_lens=(64,),
+                             checkpoint=str(micro_checkpoint))
+    parts = build_steps_for_config(model_cfg, cc, tmp_path / "cache")
+    plan = bucket_plan(cc, model_cfg, parts.steps, "cpu")
+    (pb,) = plan.prefill
+    assert (pb.seq_len, pb.min_seq_len, pb.seq_len_step) == (step, step, step)
+    graphs = parts.steps.stages(pb.kind, pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len, pb.seq_len_step)
+    assert all("S" not in g.graph.bounds for g in graphs)
+    wide = parts.steps.stages("prefill", 1, 4 * step, 64, step, step)
+    assert any(g.graph.bounds.get("S") == (step, 4 * step, step) for g in wide)
 
 
 def test_the_refusal_names_the_context_capacity():
@@ -304,8 +328,9 @@ def test_tiny_with_a_128_prefill_runs_an_8000_token_prompt(tmp_path):
     from dsneuron.runtime_min.session import Session
 
     s = Session.load(compile_bench_bundle("tiny", 128, 8192, tmp_path))
-    assert [(b.kind, b.seq_len, b.capacity) for b in s.manifest.buckets] == \
-        [("prefill", 128, 8192), ("decode", 1, 8192), ("chunk", 128, 8192)]
+    # tiny's decode buckets: batch 1 and its compile.decode_batch_sizes
+    assert {(b.kind, b.seq_len, b.capacity) for b in s.manifest.buckets} == \
+        {("prefill", 128, 8192), ("decode", 1, 8192), ("chunk", 128, 8192)}
     ids = _ids(8000, 1)[0].tolist()
     logits = s.runner.prefill_job(ids).run().logits[0]
     assert torch.isfinite(logits).all()

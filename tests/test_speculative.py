@@ -184,6 +184,38 @@ def test_dspark_ring_is_written_in_position_order_and_read_only_where_written(dr
     assert not torch.equal(d.draft(other, token, torch.tensor([5])).logits, a.logits)
 
 
+def test_prefill_seed_returns_what_the_rings_keep_of_each_prompt(micro_golden, drafter):
+    """graphs/steps.py prefill_seed (a speculative compile's single-graph prefill): the logits and
+    state of `prefill` bit for bit, and main_hidden at each row's last window_size positions; the
+    drafter seeded with those (Verified.seed_span) holds the rings it holds when seeded with every
+    prompt position, for prompts shorter than, as long as and longer than the window (16), in one
+    batch."""
+    from dsneuron.graphs.context import Capture
+    from dsneuron.graphs.dspark import main_hidden_from_capture
+    from dsneuron.graphs.steps import prefill_seed
+
+    g, d = micro_golden, drafter.dspark
+    W = g.cfg.window_size
+    lens = torch.tensor([5, W, 23])
+    tokens = torch.randint(3, 128000, (3, 24), generator=torch.Generator().manual_seed(4))
+    eng = g.engram_ids(tokens)
+    cap = Capture()
+    with torch.inference_mode():
+        logits, state = prefill(g.model, tokens, lens, eng, cap)
+        got_logits, tail, got_state = prefill_seed(g.model, tokens, lens, eng, W)
+    assert torch.equal(got_logits, logits) and all(torch.equal(got_state[n].nan_to_num(), t.nan_to_num())
+                                                  for n, t in state.items())
+    assert tail.shape == (3, W, main_hidden_from_capture(g.model, cap, tokens).size(2))
+    v = sp.Verified(logits, tail, None, tokens, torch.zeros(3, dtype=torch.int64), lens,
+                    hidden_pos=(lens - W).clamp(min=0))
+    start, count = v.seed_span()
+    assert start.tolist() == [0, 0, 23 - W] and count.tolist() == [5, W, W]
+    seeded = d.seed(d.init_cache(3), tail, start, count)
+    every = d.seed(d.init_cache(3), main_hidden_from_capture(g.model, cap, tokens), torch.zeros(3, dtype=torch.int64),
+                   lens)
+    assert all(torch.equal(a, b) for a, b in zip(seeded.rings, every.rings))
+
+
 def test_accept_greedy_keeps_the_matching_prefix_and_the_verify_token():
     logits = torch.zeros(4, 10)
     logits[torch.arange(4), torch.tensor([3, 5, 7, 9])] = 1.0
@@ -425,6 +457,49 @@ def test_position_logits_through_the_widest_decode_head_equal_the_calls_own_head
     assert (wide[G].calls, own.calls) == ((-(-B * S // G), 0) if G > 1 else (0, S))
 
 
+class _Loader:
+    """A stage package standing in for AOTInductor's: adds its weight to its one input."""
+
+    def __init__(self, log: list[str], name: str):
+        self.log, self.name = log, name
+
+    def boxed_run(self, args):
+        self.log.append(self.name)
+        return [args[1] + args[0]]
+
+
+def test_a_staged_call_skips_the_named_stages_and_refuses_to_skip_what_a_later_stage_reads():
+    """StagedExecutable.run_tapped(skip=...): a verify skips the bucket's own head (its taps give
+    every position's); the skipped stage does not run, its output comes back None, the others are
+    what the full run gives; skipping a stage whose output a later stage reads is a ValueError,
+    an unknown stage a KeyError."""
+    from types import SimpleNamespace
+
+    from dsneuron.runtime_min.bundle.schema import Stage
+    from dsneuron.runtime_min.executors.executor_cpu import StagedExecutable
+
+    stages = (Stage("layers.0", "s/a", ("w0",), ("h",), ("h",)), Stage("head", "s/b", ("w1",), ("h",), ("logits",)))
+    spec = lambda name: SimpleNamespace(name=name)  # noqa: E731
+    bucket = SimpleNamespace(stages=stages, inputs=(spec("h"),), outputs=(spec("logits"), spec("h")), file="b",
+                             check_inputs=lambda inputs: None)
+    log: list[str] = []
+    exe = object.__new__(StagedExecutable)
+    exe.bucket, exe.stage_seconds, exe._written, exe._columns, exe._last = bucket, None, [], False, False
+    exe._stages = [(_Loader(log, st.name), [torch.tensor(10.0 ** i)], st.inputs, st.outputs)
+                   for i, st in enumerate(stages)]
+    h = torch.tensor(1.0)
+    full, _ = exe.run_tapped([h], ())
+    assert [float(t) for t in full] == [12.0, 2.0] and log == ["layers.0", "head"]
+    log.clear()
+    outs, taps = exe.run_tapped([h], ("head",), skip=("head",))
+    assert outs[0] is None and torch.equal(outs[1], full[1]) and log == ["layers.0"]
+    assert torch.equal(taps["head"]["h"], full[1])
+    with pytest.raises(ValueError, match="stage head takes an output of a skipped stage"):
+        exe.run_tapped([h], (), skip=("layers.0",))
+    with pytest.raises(KeyError, match="no stage 'nope'"):
+        exe.run_tapped([h], (), skip=("nope",))
+
+
 @pytest.mark.parametrize("tokens, pos, count, layers, msg", [
     (torch.zeros(6, dtype=torch.int64), [0], [1], [1], r"tokens must be \[B, S\]"),
     (torch.zeros(1, 0, dtype=torch.int64), [0], [1], [1], r"tokens must be \[B, S\] with B, S >= 1"),
@@ -611,6 +686,24 @@ def test_compile_config_speculative_values():
     assert CompileConfig.from_dict({**base, "speculative": "dspark"}).to_dict()["speculative"] == "dspark"
     with pytest.raises(ConfigError, match=r"compile.speculative: must be one of none, dspark \(got 'mtp'\)"):
         CompileConfig.from_dict({**base, "speculative": "mtp"})
+
+
+def test_verify_buckets_of_a_staged_plan_are_its_chunk_buckets_at_the_first_batch(micro_cfg):
+    """BucketPlan.with_verify: on a plan whose prefill takes a token range (a staged target) the
+    verify buckets have the chunk buckets' shapes and token range, at batch_sizes[0] only; on
+    another plan, 1 + block tokens per decode capacity."""
+    import dataclasses
+
+    from dsneuron.compiler.buckets import plan_buckets
+    from dsneuron.compiler.config import load_config
+
+    cc = dataclasses.replace(load_config("micro")[1], batch_sizes=(1, 2), prefill_seq_lens=(16,),
+                             decode_context_lens=(16, 64))
+    staged = plan_buckets(cc, micro_cfg).with_dynamic_prefill(4).with_chunks().with_verify(4)
+    assert staged.verify == tuple(dataclasses.replace(pb, kind="verify") for pb in staged.chunk if pb.batch == 1)
+    assert [(pb.seq_len, pb.capacity, pb.min_seq_len) for pb in staged.verify] == [(16, 16, 4), (16, 64, 4)]
+    plain = plan_buckets(cc, micro_cfg).with_chunks().with_verify(4)
+    assert [(pb.batch, pb.seq_len, pb.capacity, pb.min_seq_len) for pb in plain.verify] == [(1, 4, 16, 0), (1, 4, 64, 0)]
 
 
 def test_speculative_plan_refusals(micro_cfg):

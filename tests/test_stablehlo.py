@@ -19,6 +19,7 @@ torch references), Trainium's own arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -237,6 +238,9 @@ def test_every_micro_bucket_is_one_stablehlo_module_with_the_kernels_as_composit
     assert verify.batch == 1 and [(o.name, o.shape, o.dtype) for o in verify.outputs[:2]] == [
         ("logits", (1, 4, model_cfg.vocab_size), "float32"), ("main_hidden", (1, 4, T * model_cfg.dim), "bfloat16")]
     assert m.compile_config["speculative"] == "dspark" and m.schema_version == 7
+    W = model_cfg.window_size  # a speculative prefill also returns what seeds the drafter's rings
+    assert all([(o.name, o.shape, o.dtype) for o in b.outputs[1:2]] == [
+        ("main_hidden", (b.batch, min(W, b.seq_len), T * model_cfg.dim), "bfloat16")] for b in m.buckets if b.kind == "prefill")
     assert (m.target, m.compiler["backend"], m.compiler["flags"]) == ("neuron", "stablehlo", ["--stablehlo-only"])
     assert m.compiler["custom_ops"]["dsneuron::sparse_attn"] == "kernel"
     assert m.toolchain["stablehlo"]["artifact"] == TARGET_VERSION and m.toolchain["torch_mlir"]
@@ -270,6 +274,7 @@ def test_every_micro_bucket_executes_within_the_floor_of_the_eager_step(micro_st
     from dsneuron.runtime_min.session import Session
 
     model_cfg, compile_cfg, _ = load_config("micro")
+    compile_cfg = dataclasses.replace(compile_cfg, speculative="dspark")  # as the bundle was compiled
     parts = build_steps_for_config(model_cfg, compile_cfg, micro_stablehlo / "cache", probes=True, target="neuron")
     session = Session.load(micro_stablehlo / "bundle")
     hasher = NgramHasher(parts.host_params["engram"])
@@ -373,7 +378,8 @@ def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_runner):
     process), and main_hidden bf16 [1, 4, T*D]. Generated, with a TEST-ONLY oracle drafter (always right, or
     wrong at its second draft: a replay every step): plain greedy decoding's tokens, or the same
     up to a flip that the two runs' logits explain; the oracle's drafts kept (mean acceptance
-    above 2 of at most 4); main_hidden seeding the drafter after every verify. The bundle's own
+    above 2 of at most 4); main_hidden seeding the drafter after the prefill (the prefill bucket
+    returns the prompt's last window_size positions) and after every verify. The bundle's own
     drafter, eager and as its draft bucket (what `run` and `serve` draft with), through the
     loop and through the scheduler (`serve --speculative-tokens`): the first token the plain
     run's, every request to its length."""
@@ -406,7 +412,9 @@ def test_speculation_runs_on_the_stablehlo_verify_buckets(micro_runner):
     for wrong_at in (None, 1):
         oracle = _OracleDrafter(prompt + tokens, wrong_at)
         res = sp.generate(target, oracle, [prompt], n, 3)
-        assert oracle.seeded and set(oracle.seeded) <= {(1, s, T * cfg.dim) for s in (1, 2, 3, 4)}
+        # first the prefill's seed (its bucket's last min(window, 16) positions), then each verify's kept ones
+        assert oracle.seeded[0] == (1, min(cfg.window_size, 16), T * cfg.dim)
+        assert set(oracle.seeded[1:]) <= {(1, s, T * cfg.dim) for s in (1, 2, 3, 4)}
         kept = _same_or_a_flip_the_logits_explain(res.tokens[0], res.logits[0], tokens, chosen)
         if kept == n and wrong_at is None:
             assert res.stats.mean_acceptance > 2, res.stats

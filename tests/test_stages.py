@@ -82,3 +82,30 @@ def test_staged_probes_are_the_step_captures(micro_golden):
     assert probes.keys() == cap.tensors.keys()
     for name, t in cap.tensors.items():
         assert torch.equal(probes[name].nan_to_num(), t.nan_to_num()), name
+
+
+def test_staged_verify_is_the_chunk_with_the_head_at_every_position(micro_golden):
+    """build_stages(.., "verify"): the chunk's stages with the head at every position (kind
+    head_all, no "last"): its logits are verify_chunk's at every position and each equals the
+    one-position head's there, its state the chunk's, bit for bit."""
+    from dsneuron.graphs.steps import verify_chunk
+
+    g = micro_golden
+    m = g.model
+    ids = _tokens(14, 3)
+    eng = g.engram_ids(ids)
+    _, state = prefill(m, ids[:, :9], torch.tensor([9]), eng[:, :9])
+    S, pos, count = 5, torch.tensor([9]), torch.tensor([5])
+    logits, _, want = verify_chunk(m, ids[:, 9:], pos, count, eng[:, 9:], state)
+    stages = st.build_stages(m, "verify", 1, m.max_seq_len)
+    chunk = st.build_stages(m, "chunk", 1, m.max_seq_len)
+    assert [(s.name, s.kind) for s in stages[:-1]] == [(s.name, s.kind) for s in chunk[:-1]]
+    assert (stages[-1].name, stages[-1].kind, stages[-1].inputs) == ("head", "head_all", ("h", "pre_mix"))
+    env = st.run_stages(stages, {**state, "tokens": ids[:, 9:], "pos": pos, "valid_len": count,
+                                 **engram_columns(eng[:, 9:])})
+    assert env["logits"].shape == (1, S, logits.size(-1)) and torch.equal(env["logits"], logits)
+    for name, t in want.items():
+        assert torch.equal(env[name].nan_to_num(), t.nan_to_num()), name
+    one = chunk[-1].module
+    for j in range(S):
+        assert torch.equal(one(env["h"], env["pre_mix"], torch.tensor([j]))[0], env["logits"][:, j]), j

@@ -40,7 +40,9 @@ model's layers of one kind: graphs/stages.py). A prefill bucket with `min_seq_le
 multiple of `seq_len_step` from min_seq_len to seq_len tokens: its executables have a dynamic token
 dimension, and the runtime pads a prompt only up to the next such count (`Bucket.padded_len`).
 Prefill data inputs: tokens [B, S] int64 (right-padded), valid_len [B] int64, engram_ids [B, S, E, C]
-int64. Decode data inputs: tokens [B, 1] int64, pos [B] int64, engram_ids [B, 1, E, C] int64.
+int64. A single-graph prefill of a speculative compile (schema version 7) returns after its logits
+`main_hidden` [B, W, T*D] bfloat16 (W = min(window_size, S)): each row's last W prompt positions
+from max(0, valid_len - W) (graphs/steps.py prefill_seed), what seeds the drafter's rings. Decode data inputs: tokens [B, 1] int64, pos [B] int64, engram_ids [B, 1, E, C] int64.
 Chunk buckets (schema version 4; a prefill continuing from state, graphs/steps.py prefill_chunk):
 tokens [B, S] int64 (right-padded), pos [B] int64 (each row's first position), valid_len [B]
 int64, engram_ids [B, S, E, C] int64, then the state at `capacity`, like a decode bucket's; the
@@ -49,8 +51,11 @@ prefill's.
 Verify buckets (schema version 7; a speculative decoding verify, graphs/steps.py verify_chunk): a
 chunk bucket's inputs and state, whose outputs are the logits [B, S, V] float32 at every position,
 then `main_hidden` [B, S, T*D] bfloat16 (the stream entering each DSpark target layer's attention,
-averaged over its hc copies, in target order), then the new state: the neuron target's way to
-verify drafts, where the cpu target taps its staged chunk bucket instead.
+averaged over its hc copies, in target order), then the new state. A staged verify bucket (the cpu
+target's: the chunk bucket's stages and token range, the head at every position) returns the
+logits and the state only; the runtime reads main_hidden from the inputs of its target layers'
+attention stages, as it does from a staged chunk bucket, which a bundle without verify buckets
+verifies on.
 Draft buckets (schema version 7; the DSpark drafter's step, graphs/dspark.py DraftStep; seq_len is
 its block K, capacity the context it drafts within): inputs token [B] int64, pos [B] int64,
 main_hidden [B, S, T*D] bfloat16 (a verify's, S = 1 + K), seed_pos [B] and seed_count [B] int64
@@ -271,8 +276,8 @@ class Stage:
 class Bucket:
     """One compiled executable.
 
-    kind: "prefill", "decode", "chunk" (a prefill continuing from state) or "verify" (a chunk
-        returning every position's logits and main_hidden): module docstring.
+    kind: "prefill", "decode", "chunk" (a prefill continuing from state), "verify" (a chunk
+        returning every position's logits and main_hidden) or "draft": module docstring.
     batch: batch dimension B.
     seq_len: tokens per call (prefill, chunk: the bucket's S; decode: 1).
     capacity: context capacity of the state it reads and writes (positions 0..capacity-1).
@@ -615,6 +620,8 @@ def _check_buckets(m: "Manifest") -> None:
             _check_verify_outputs(b, where)
         elif not b.outputs or len(b.outputs[0].shape) != 2 or b.outputs[0].shape[0] != b.batch or not b.outputs[0].shape[1]:
             raise BundleError(f"{where}.outputs: the first output must be the logits [batch={b.batch}, V > 0]")
+        elif b.kind == "prefill" and _seeds(b):
+            _check_prefill_seed(b, where, m.schema_version)
         vocab.add(b.outputs[0].shape[-1])
         engram.add(_check_inputs(b, where, {s.name for s in m.state}))
         if b.stages or b.min_seq_len:
@@ -679,17 +686,39 @@ def _check_draft(b: Bucket, where: str) -> int:
 
 
 def _check_verify_outputs(b: Bucket, where: str) -> None:
-    """A verify bucket's first outputs: logits float32 [B, S, V > 0], then MAIN_HIDDEN bfloat16 [B, S, > 0]."""
+    """A verify bucket's first outputs: logits float32 [B, S, V > 0], then MAIN_HIDDEN bfloat16 [B, S, > 0];
+    a staged one's (the cpu target's) logits alone: the runtime reads main_hidden by tapping its
+    target layers' attention stages."""
     B, S = b.batch, b.seq_len
     logits, hidden = (b.outputs + (None, None))[:2]
     if logits is None or logits.name != "logits" or logits.dtype != "float32" or len(logits.shape) != 3 \
             or logits.shape[:2] != (B, S) or not logits.shape[2]:
         raise BundleError(f"{where}.outputs: a verify bucket's first output must be the logits float32 [batch={B}, "
                           f"seq_len={S}, V > 0]")
+    if b.stages:
+        return
     if hidden is None or hidden.name != MAIN_HIDDEN or hidden.dtype != "bfloat16" or len(hidden.shape) != 3 \
             or hidden.shape[:2] != (B, S) or not hidden.shape[2]:
         raise BundleError(f"{where}.outputs: a verify bucket's second output must be {MAIN_HIDDEN} bfloat16 "
                           f"[batch={B}, seq_len={S}, T*D > 0]")
+
+
+def _seeds(b: Bucket) -> bool:
+    """Whether prefill bucket `b` also returns MAIN_HIDDEN (a speculative compile's single-graph
+    prefill: each prompt's last positions, what seeds the drafter's rings)."""
+    return len(b.outputs) > 1 and b.outputs[1].name == MAIN_HIDDEN
+
+
+def _check_prefill_seed(b: Bucket, where: str, version: int) -> None:
+    """A seeding prefill's second output: MAIN_HIDDEN bfloat16 [B, 1..S, > 0], schema version 7."""
+    hidden = b.outputs[1]
+    if version < SPECULATIVE_SCHEMA_VERSION:
+        raise BundleError(f"{where}: a prefill returning {MAIN_HIDDEN} needs schema version "
+                          f"{SPECULATIVE_SCHEMA_VERSION} (the manifest says {version})")
+    if hidden.dtype != "bfloat16" or len(hidden.shape) != 3 or hidden.shape[0] != b.batch \
+            or not 1 <= hidden.shape[1] <= b.seq_len or not hidden.shape[2]:
+        raise BundleError(f"{where}.outputs: a prefill's {MAIN_HIDDEN} must be bfloat16 [batch={b.batch}, "
+                          f"1..seq_len={b.seq_len}, T*D > 0] (got {hidden.dtype} {list(hidden.shape)})")
 
 
 def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
@@ -709,7 +738,7 @@ def _check_inputs(b: Bucket, where: str, state: set[str]) -> tuple[int, ...]:
     for spec in b.inputs[len(names):]:
         if spec.name not in state:
             raise BundleError(f"{where}.inputs: {spec.name} is neither a data input nor a state tensor of the manifest")
-    for spec in b.outputs[2 if b.kind == "verify" else 1:]:
+    for spec in b.outputs[2 if b.kind == "verify" and not b.stages or b.kind == "prefill" and _seeds(b) else 1:]:
         if spec.name not in state and not spec.name.startswith(PROBE_PREFIX):
             raise BundleError(f"{where}.outputs: {spec.name} is neither a state tensor nor a probe")
     return engram.shape[2:]

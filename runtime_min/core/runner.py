@@ -87,13 +87,14 @@ class State:
 
 @dataclass
 class Step:
-    """What one executable call gave. logits: fp32 [B, V] (each row's after its last valid token);
-    state: the state after the call (tensors at the bucket's capacity); probes: {stage name without
+    """What one executable call gave. logits: fp32 [B, V] (each row's after its last valid token),
+    None where the call skipped the head (a verify reads every position through the taps); state:
+    the state after the call (tensors at the bucket's capacity); probes: {stage name without
     PROBE_PREFIX: [B, ...]}, empty unless the bundle was compiled with probes; state_in: the state
     tensors the call was given, {name: [B, ...]} at the bucket's capacity; seconds: wall time of the
     executable call alone (no hashing, no padding); bucket: the bucket that ran."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     state: State
     probes: dict[str, torch.Tensor]
     state_in: dict[str, torch.Tensor]
@@ -414,11 +415,13 @@ class Runner:
         """A speculative verify (runtime_min/core/speculative.py): row b feeds tokens[b, :count[b]]
         (int64 [B, S], count int64 [B] in 1..S) at positions pos[b].. on its row of `state`, as one
         call at the smallest capacity holding every row: of the verify bucket of batch B where the
-        bundle has one (the neuron target's: it returns both reads itself), else of the staged
-        chunk bucket of batch B (the cpu target's), tapped. Either is bit-identical in state to that
-        many decode steps of its target. Returns a speculative.Verified with the logits fp32
-        [B, S, V] at every position and main_hidden bf16 [B, S, T*D] (the stream entering each
-        target layer's attention, averaged over its hc copies); taps=False skips both (a replay).
+        bundle has one (the neuron target's returns both reads itself; the cpu target's, staged,
+        returns the logits and is tapped for main_hidden), else of the staged chunk bucket of batch
+        B, tapped, its logits through the widest decode bucket's head (`_position_logits`). Each is
+        bit-identical in state to that many decode steps of its target. Returns a
+        speculative.Verified with the logits fp32 [B, S, V] at every position and main_hidden bf16
+        [B, S, T*D] (the stream entering each target layer's attention, averaged over its hc
+        copies); taps=False skips both (a replay).
         Raises ValueError for rows outside that contract (`check_verify_args`), more tokens a row
         than the verify bucket takes, or no target layer when tapped; BundleError when the chunk
         bucket is not staged and there is no verify bucket; ValueError without a bucket of batch B;
@@ -441,62 +444,83 @@ class Runner:
         padded[:, :S] = tokens
         engram, history = self._hash(padded, state.history, count)
         data = {"tokens": padded, "pos": pos, "valid_len": count, "engram_ids": engram}
-        if kind == "verify":
+        staged = isinstance(exe, StagedExecutable)
+        if kind == "verify" and not staged:
             step = self._call(exe, data, state, history)
             logits, hidden = (step.logits[:, :S], step.main_hidden[:, :S]) if taps else (None, None)
+        elif kind == "verify":  # a replay reads no logits: its head (every position's) is skipped
+            step = self._call(exe, data, state, history, self._taps(exe, target_layers, head=False) if taps else (),
+                              skip=() if taps else ("head",))
+            logits, hidden = (step.logits[:, :S], self._tapped_hidden(step, S, target_layers)) if taps else (None, None)
         else:
-            step = self._call(exe, data, state, history, self._taps(exe, target_layers) if taps else ())
+            # the chunk's own head reads one position a row; the taps give every position's
+            step = self._call(exe, data, state, history, self._taps(exe, target_layers) if taps else (),
+                              skip=("head",) if staged else ())
             logits, hidden = self._tapped_outputs(exe, step, S, target_layers) if taps else (None, None)
         return Verified(logits, hidden, step.state, tokens, pos, count, State(step.state_in, state.history),
                         step.seconds)
 
     def can_tap_prefill(self, batch: int) -> bool:
-        """Whether `verify_prefill` reads main_hidden at every prompt position for `batch` rows (the
-        cpu target's staged prefill buckets); else it runs the plain prefill and reads none."""
+        """Whether `verify_prefill` gives main_hidden to seed the drafter with for `batch` rows:
+        the cpu target's staged prefill buckets, tapped at every prompt position, or a prefill
+        bucket returning it at each prompt's last positions (a speculative compile's neuron
+        prefill); else it runs the plain prefill and gives none."""
         lengths = self.lengths("prefill", batch)
-        return bool(lengths) and bool(self.bucket("prefill", batch, lengths[0]).stages)
+        if not lengths:
+            return False
+        b = self.bucket("prefill", batch, lengths[0])
+        return bool(b.stages) or any(o.name == MAIN_HIDDEN for o in b.outputs)
 
     def verify_prefill(self, prompts: Sequence[Sequence[int]], target_layers: Sequence[int]):
-        """`prefill` of the prompts in rows 0.., at the prefill bucket of batch len(prompts), tapped
-        as `verify` is: a speculative.Verified with the logits and main_hidden at every prompt
-        position (count: the prompt lengths). Where the prefill bucket cannot be tapped
-        (`can_tap_prefill`: a neuron bundle's), the plain prefill: the logits fp32 [B, V] after each
-        prompt and no main_hidden (the drafter starts without its prompt's ring). Raises as
-        `prefill`."""
+        """`prefill` of the prompts in rows 0.., at the prefill bucket of batch len(prompts): a
+        speculative.Verified with the logits fp32 [B, V] after each prompt (the call's own head:
+        the loop reads only those) and, tapped as `verify` is, main_hidden bf16 [B, S, T*D] at every
+        prompt position (count: the prompt lengths). Where the prefill bucket is one graph, its own
+        main_hidden output, each prompt's last W positions (hidden_pos: where they start), or
+        without one (`can_tap_prefill`) none: the drafter then starts without its prompt's ring.
+        Raises as `prefill`."""
         from .speculative import Verified
 
         batch = len(prompts)
         prompts = [list(p) for p in prompts]
         longest = max(len(p) for p in prompts)
-        if not self.can_tap_prefill(batch):
+        lengths = self.lengths("prefill", batch)
+        if not (lengths and self.bucket("prefill", batch, lengths[0]).stages):
             step = self.prefill(prompts, batch)
             tokens, valid = select.pad_prompts(prompts, batch, longest, self.pad_token_id)
-            return Verified(step.logits, None, step.state, tokens, torch.zeros(batch, dtype=torch.int64), valid, None,
-                            step.seconds)
+            hidden = step.main_hidden
+            start = None if hidden is None else (valid - hidden.size(1)).clamp(min=0)
+            return Verified(step.logits, hidden, step.state, tokens, torch.zeros(batch, dtype=torch.int64), valid, None,
+                            step.seconds, hidden_pos=start)
         exe = self.executable("prefill", batch, select.pick_prefill(self._lengths_of("prefill", batch), longest))
         tokens, valid = select.pad_prompts(prompts, batch, exe.bucket.padded_len(longest), self.pad_token_id)
         engram, history = self._hash(tokens, self.fresh_state(batch).history, valid)
         step = self._call(exe, {"tokens": tokens, "valid_len": valid, "engram_ids": engram}, State(), history,
-                          self._taps(exe, target_layers))
-        logits, hidden = self._tapped_outputs(exe, step, longest, target_layers)
-        return Verified(logits, hidden, step.state, tokens[:, :longest], torch.zeros(batch, dtype=torch.int64), valid,
-                        None, step.seconds)
+                          self._taps(exe, target_layers, head=False))
+        hidden = self._tapped_hidden(step, longest, target_layers)
+        return Verified(step.logits, hidden, step.state, tokens[:, :longest], torch.zeros(batch, dtype=torch.int64),
+                        valid, None, step.seconds)
 
     @staticmethod
-    def _taps(exe: Executable, target_layers: Sequence[int]) -> tuple[str, ...]:
+    def _taps(exe: Executable, target_layers: Sequence[int], head: bool = True) -> tuple[str, ...]:
+        """The stages whose inputs a tapped call keeps: the target layers' attention (main_hidden)
+        and, with head, the head (the logits at every position)."""
         if not isinstance(exe, StagedExecutable):
             raise BundleError(f"{exe.bucket.kind} bucket b{exe.bucket.batch} {exe.bucket.length}: speculative decoding "
                               "reads the head's and the target layers' inputs, which only a staged (cpu target) bucket gives")
-        return (*(f"layers.{L}.attn" for L in target_layers), "head")
+        return (*(f"layers.{L}.attn" for L in target_layers), *(("head",) if head else ()))
 
     def _tapped_outputs(self, exe: "StagedExecutable", step: Step, S: int, target_layers: Sequence[int]
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits fp32 [B, S, V], main_hidden bf16 [B, S, T*D]) of a tapped call's first S positions."""
+        return self._position_logits(exe, step.taps["head"], S), self._tapped_hidden(step, S, target_layers)
+
+    @staticmethod
+    def _tapped_hidden(step: Step, S: int, target_layers: Sequence[int]) -> torch.Tensor:
+        """main_hidden bf16 [B, S, T*D] of a tapped call's first S positions."""
         from dsneuron.kernels_nki.hc_mean import main_hidden_of
 
-        logits = self._position_logits(exe, step.taps["head"], S)
-        hidden = torch.cat([main_hidden_of(step.taps[f"layers.{L}.attn"]["h"][:, :S]) for L in target_layers], dim=-1)
-        return logits, hidden
+        return torch.cat([main_hidden_of(step.taps[f"layers.{L}.attn"]["h"][:, :S]) for L in target_layers], dim=-1)
 
     def _position_logits(self, exe: "StagedExecutable", head: dict[str, torch.Tensor], S: int) -> torch.Tensor:
         """Logits fp32 [B, S, V] at positions 0..S-1 of every row of a call whose head stage was
@@ -535,9 +559,10 @@ class Runner:
         return self.hasher.hash(tokens, history, valid)
 
     def _call(self, exe: Executable, data: dict[str, torch.Tensor | None], state: State,
-              history: torch.Tensor | None, taps: Sequence[str] = ()) -> Step:
+              history: torch.Tensor | None, taps: Sequence[str] = (), skip: Sequence[str] = ()) -> Step:
         """Run `exe` on the data inputs and `state` (resized to its bucket, missing tensors fresh);
-        taps: stage names whose inputs to keep (a StagedExecutable's run_tapped)."""
+        taps: stage names whose inputs to keep, skip: stages not to run (their outputs None; a
+        StagedExecutable's run_tapped)."""
         b = exe.bucket
         state_in = self._state_for(b, state.tensors)
         args = []
@@ -551,8 +576,8 @@ class Runner:
                 args.append(state_in[spec.name])
         t0 = time.perf_counter()
         tapped: dict[str, dict[str, torch.Tensor]] = {}
-        if taps:
-            outs, tapped = exe.run_tapped(args, taps)
+        if taps or skip:
+            outs, tapped = exe.run_tapped(args, taps, skip)
         else:
             outs = exe.run(args)
         seconds = time.perf_counter() - t0

@@ -41,15 +41,16 @@ decode; tests/test_model.py).
 Speculative decoding (`speculation`, runtime_min/core/speculative.py): each running request keeps
 its own one-row state and drafter cache (`SpecRow`) instead of a row of the batch state. Step 3
 becomes, per request: the drafter proposes up to k tokens after its last sampled one, one verify
-call (the chunk bucket of batch 1, bit-identical to that many decode steps) feeds the token and the
-drafts, greedy acceptance or rejection sampling keeps a prefix of them plus one token of its own,
-and the state returns exactly to the kept position (`RunnerTarget.commit`). The tokens are then
-accepted one by one as a decode step's are, so stop strings, EOS and max_tokens end a request at
-the same token. A prompt that fits a prefill bucket runs the plain prefill call, tapped, and
-seeds the drafter's ring from it; one that runs as chunks or starts from a prefix snapshot drafts
-without its prompt's ring (fewer drafts kept, the same output). A request with a constraint (a
-grammar's mask) offers no drafts: its verify is one token, sampled under the mask. Greedy output
-is the plain scheduler's bit for bit; sampled output has the same distribution, not the same draws.
+call (the verify bucket of batch 1, or its chunk bucket: bit-identical to that many decode steps)
+feeds the token and the drafts, greedy acceptance or rejection sampling keeps a prefix of them
+plus one token of its own, and the state returns exactly to the kept position
+(`RunnerTarget.commit`). The tokens are then accepted one by one as a decode step's are, so stop
+strings, EOS and max_tokens end a request at the same token. A prompt that fits a prefill bucket
+runs the plain prefill call (tapped, on the cpu target) and seeds the drafter's ring from it; one
+that runs as chunks or starts from a prefix snapshot drafts without its prompt's ring (fewer
+drafts kept, the same output). A request with a constraint (a grammar's mask) offers no drafts:
+its verify is one token, sampled under the mask. Greedy output is the plain scheduler's bit for
+bit; sampled output has the same distribution, not the same draws.
 
 Independence: a request's output is what it gets alone. Its prefill is the call it gets alone
 (same batch bucket, its own padded length); a decode row reads and writes only its own state
@@ -439,17 +440,18 @@ class Scheduler:
 
     def _prefill_seeding(self, r: Request, t0: float) -> None:
         """Speculation's prefill of a prompt that fits a prefill bucket: the same call as the plain
-        one, tapped (Runner.verify_prefill: the logits and main_hidden at every position, the same
-        bits), main_hidden seeding the drafter's cache of the row."""
+        one (Runner.verify_prefill: the same logits, and main_hidden at every position, or at the
+        prompt's last positions from a single-graph prefill), main_hidden seeding the drafter's cache
+        of the row."""
         ids, spec = r.prompt_ids, self.speculation
         try:
             v = self._target.prefill([ids])
-            cache = spec.drafter.seed(spec.drafter.start(1), v.main_hidden[:1], torch.zeros(1, dtype=torch.int64),
-                                      v.count[:1])
+            start, count = v.seed_span()
+            cache = spec.drafter.seed(spec.drafter.start(1), v.main_hidden[:1], start[:1], count[:1])
         except BaseException as e:
             self._end(r, "error", f"{type(e).__name__}: {e}")
             raise
-        logits = v.logits[:1, len(ids) - 1]
+        logits = v.last_logits()[:1]
         self._keep(ids, v.state, 0, logits)
         if self.stats is not None:
             self.stats.prefill_s += time.perf_counter() - t0

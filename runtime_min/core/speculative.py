@@ -82,13 +82,14 @@ def accept(drafts: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None, t
 # ----------------------------------------------------------------------------------------- protocols
 @dataclass
 class Verified:
-    """One verify (or tapped prefill) call. logits fp32 [B, S, V] at every position; main_hidden
-    bf16 [B, S, T*D] at every position; state: the target's state after every row's count[b]
-    tokens; tokens int64 [B, S], pos int64 [B] (row b's first position), count int64 [B];
+    """One verify (or tapped prefill) call. logits fp32 [B, S, V] at every position, or, for a
+    prefill, fp32 [B, V] after each row's count[b] tokens (what the loop reads: `last_logits`);
+    main_hidden bf16 [B, S, T*D] at every position; state: the target's state after every row's
+    count[b] tokens; tokens int64 [B, S], pos int64 [B] (row b's first position), count int64 [B];
     state_in: the state the call was given (None for a prefill); seconds: the call's time.
-    A prefill that could not be read at every position (Runner.verify_prefill on a bundle whose
-    prefill is one graph) has logits fp32 [B, V] after each row's count[b] tokens and main_hidden
-    None: the drafter then starts without the prompt's ring."""
+    hidden_pos: int64 [B], where main_hidden starts when not at pos: a single-graph prefill returns
+    each prompt's last positions only (Runner.verify_prefill), all the drafter's rings keep; one
+    without them has main_hidden None, and the drafter starts without the prompt's ring."""
 
     logits: torch.Tensor
     main_hidden: torch.Tensor | None
@@ -98,6 +99,14 @@ class Verified:
     count: torch.Tensor
     state_in: Any = None
     seconds: float = 0.0
+    hidden_pos: torch.Tensor | None = None
+
+    def seed_span(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, count) int64 [B]: the positions main_hidden[b, :count[b]] hold, from start[b] on
+        (what a drafter's `seed` takes after a prefill)."""
+        if self.hidden_pos is None:
+            return self.pos, self.count
+        return self.hidden_pos, self.pos + self.count - self.hidden_pos
 
     def last_logits(self) -> torch.Tensor:
         """fp32 [B, V]: each row's logits after its count[b] tokens."""
@@ -201,7 +210,7 @@ def generate(target: Target, drafter: Drafter, prompts: Sequence[Sequence[int]],
     t0 = time.perf_counter()
     cache = drafter.start(B)
     if v.main_hidden is not None:
-        cache = drafter.seed(cache, v.main_hidden, torch.zeros(B, dtype=torch.int64), lens)
+        cache = drafter.seed(cache, v.main_hidden, *v.seed_span())
     stats.draft_seconds += time.perf_counter() - t0
     last = lens - 1  # each row's last position in the state
     first = v.last_logits()

@@ -170,15 +170,27 @@ class StagedExecutable:
         """As CpuExecutable.run: inputs of `bucket.inputs`, outputs of `bucket.outputs`."""
         return self.run_tapped(inputs, ())[0]
 
-    def run_tapped(self, inputs: list[torch.Tensor], taps: Sequence[str]
-                   ) -> tuple[list[torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    def run_tapped(self, inputs: list[torch.Tensor], taps: Sequence[str], skip: Sequence[str] = ()
+                   ) -> tuple[list[torch.Tensor | None], dict[str, dict[str, torch.Tensor]]]:
         """`run`, plus the inputs each stage named in `taps` was given: {stage name: {wiring name:
         tensor}} (a speculative verify reads the stream entering the DSpark target layers and the
-        head's inputs, runtime_min/core/speculative.py). Raises KeyError for a stage the bucket lacks."""
+        head's inputs, runtime_min/core/speculative.py). The stages named in `skip` do not run and
+        their outputs come back None: a verify runs the head at every position itself, so the
+        bucket's own head (one position a row, a read of the whole vocabulary projection) would be
+        wasted. Raises KeyError for a stage the bucket lacks; ValueError when a stage that runs
+        takes a skipped stage's output."""
         names = {st.name for st in self.bucket.stages}
-        missing = [t for t in taps if t not in names]
+        missing = [t for t in (*taps, *skip) if t not in names]
         if missing:
-            raise KeyError(f"{self.bucket.file}: no stage {missing[0]!r} to tap")
+            raise KeyError(f"{self.bucket.file}: no stage {missing[0]!r} to tap or skip")
+        unmade: set[str] = set()  # the values a skipped stage would have written last
+        for st in self.bucket.stages:
+            if st.name in skip:
+                unmade |= set(st.outputs)
+            elif unmade & set(st.inputs):
+                raise ValueError(f"{self.bucket.file}: stage {st.name} takes an output of a skipped stage")
+            else:
+                unmade -= set(st.outputs)
         self.bucket.check_inputs(inputs)
         env = {spec.name: t for spec, t in zip(self.bucket.inputs, inputs)}
         env.update({n: env[n].clone() for n in self._written})
@@ -191,11 +203,13 @@ class StagedExecutable:
         for st, (loader, weights, names_in, names_out) in zip(self.bucket.stages, self._stages):
             if st.name in taps:
                 tapped[st.name] = {n: env[n] for n in names_in}
+            if st.name in skip:
+                continue
             t0 = time.perf_counter() if timed is not None else 0.0
             env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
             if timed is not None:
                 timed[st.name] = timed.get(st.name, 0.0) + time.perf_counter() - t0
-        return [env[spec.name] for spec in self.bucket.outputs], tapped
+        return [None if spec.name in unmade else env[spec.name] for spec in self.bucket.outputs], tapped
 
     def run_stage(self, name: str, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Run the stage `name` alone on `values` (its wiring inputs by name) -> its outputs (the
