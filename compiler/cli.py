@@ -154,8 +154,9 @@ def compile_cmd(
                                            "bit-identical to the golden on every host) or fast (bf16 dot products, "
                                            "deterministic on one host; cpu target) [default: the config's, exact]"),
     speculative: Optional[str] = typer.Option(None, "--speculative", help="none, or dspark: store the model's DSpark "
-                                              "drafter (mtp.*) in the bundle, for `run --speculative-tokens K` "
-                                              "(cpu target) [default: the config's, none]"),
+                                              "drafter (mtp.*) in the bundle and compile its verify and draft "
+                                              "buckets, for `run`/`serve --speculative-tokens K` [default: the "
+                                              "config's, none]"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (the world size): 2 or more writes a sharded bundle, "
                                            "one rank bundle per process of `dsneuron run` (cpu target only)"),
     ep: Optional[int] = typer.Option(None, "--ep", help="with --tp: expert-parallel groups of the MoE [default: tp, "
@@ -269,9 +270,9 @@ def run_cmd(
                                                       "to stderr"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
                                            help="draft this many tokens a step with DSpark and verify them in one "
-                                                "chunk call (0 = off; at most the model's dspark_block_size; one "
-                                                "--prompt, not --prompts-file; a cpu bundle compiled with "
-                                                "--speculative dspark, or --draft-checkpoint)"),
+                                                "call of the verify bucket (0 = off; at most the model's "
+                                                "dspark_block_size; one --prompt, not --prompts-file; a bundle "
+                                                "compiled with --speculative dspark, or --draft-checkpoint)"),
     draft_checkpoint: Optional[Path] = _draft_checkpoint_option(),
     verify_key: Optional[Path] = _verify_key_option(),
 ) -> None:
@@ -477,8 +478,8 @@ def serve_cmd(
                                                      "first); 0 turns the cache off"),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
                                            help="draft this many tokens a step with DSpark for every request and verify "
-                                                "them in one chunk call (0 = off; at most the model's "
-                                                "dspark_block_size; a cpu bundle compiled with --speculative dspark, or "
+                                                "them in one call of the verify bucket (0 = off; at most the model's "
+                                                "dspark_block_size; a bundle compiled with --speculative dspark, or "
                                                 "--draft-checkpoint)"),
     draft_checkpoint: Optional[Path] = _draft_checkpoint_option(),
     verify_key: Optional[Path] = _verify_key_option(),

@@ -634,6 +634,28 @@ def test_run_speculative_tokens_with_the_bundles_drafter_prints_the_plain_text(s
 
 
 @pytest.mark.slow
+def test_cpu_target_speculation_after_a_prompt_past_the_largest_prefill(spec_runner):
+    """A 40-token prompt on a bundle whose largest prefill is 16: the speculative prefill runs it as
+    chunks (as plain decoding does; `run --speculative-tokens` used to refuse it as too long) and
+    gives no main_hidden (the drafter starts without its ring); greedy speculation with the
+    TEST-ONLY oracle, right and wrong at draft 1, gives plain decoding's tokens and logits."""
+    prompt, n = list(range(100, 140)), 8
+    done = spec_runner.prefill_job(prompt).run()
+    tokens, logits, state = [int(done.logits[0].argmax())], [done.logits[0]], done.state
+    for i in range(n - 1):
+        step = spec_runner.decode(torch.tensor([tokens[-1]]), torch.tensor([len(prompt) + i]), state)
+        state = step.state
+        tokens.append(int(step.logits[0].argmax()))
+        logits.append(step.logits[0])
+    target = sp.RunnerTarget(spec_runner)
+    v = target.prefill([prompt])
+    assert v.main_hidden is None and torch.equal(v.last_logits()[0], logits[0])
+    for wrong_at in (None, 1):
+        res = sp.generate(target, OracleDrafter(prompt + tokens, [wrong_at], spec_runner.vocab_size), [prompt], n, K)
+        assert res.tokens[0] == tokens and all(torch.equal(a, b) for a, b in zip(res.logits[0], logits)), wrong_at
+
+
+@pytest.mark.slow
 def test_cpu_target_forced_rejection_for_1000_steps_leaves_plain_decodings_state(spec_runner):
     """1,000 greedy tokens with the oracle wrong at draft j in every step (j = 0, 1, 2): every step
     replays the kept tokens; the tokens, the state and the engram history after them are plain

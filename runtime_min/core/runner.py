@@ -478,13 +478,18 @@ class Runner:
         prompt position (count: the prompt lengths). Where the prefill bucket is one graph, its own
         main_hidden output, each prompt's last W positions (hidden_pos: where they start), or
         without one (`can_tap_prefill`) none: the drafter then starts without its prompt's ring.
-        Raises as `prefill`."""
+        One prompt longer than the largest prefill bucket runs as chunks (`prefill_job`), without
+        main_hidden, as the scheduler runs it. Raises as `prefill`."""
         from .speculative import Verified
 
         batch = len(prompts)
         prompts = [list(p) for p in prompts]
         longest = max(len(p) for p in prompts)
         lengths = self.lengths("prefill", batch)
+        if batch == 1 and self.needs_chunks(longest):
+            step = self.prefill_job(prompts[0]).run()
+            return Verified(step.logits[:1], None, self.fit_rows(step.state, 1), torch.tensor([prompts[0]]),
+                            torch.zeros(1, dtype=torch.int64), torch.tensor([longest]), None, step.seconds)
         if not (lengths and self.bucket("prefill", batch, lengths[0]).stages):
             step = self.prefill(prompts, batch)
             tokens, valid = select.pad_prompts(prompts, batch, longest, self.pad_token_id)

@@ -300,7 +300,7 @@ class AcceptanceCounts:
 @dataclass
 class Speculation:
     """Speculative decoding in the scheduler (runtime_min/core/scheduler.py): `drafter` proposes up to
-    k tokens a step for each running request, the bundle's chunk bucket verifies them
+    k tokens a step for each running request, the bundle's verify (or chunk) bucket verifies them
     (`RunnerTarget`); counts: what was kept. Raises ValueError for k outside 1..drafter.block."""
 
     drafter: Drafter
