@@ -46,7 +46,7 @@ from .config import ModelConfig
 from .context import Capture
 from .dispatch import fp8_qdq
 from .mhc import hc_post, hc_pre
-from .model import Block, Linear, RMSNorm, Transformer, embed_stream
+from .model import Block, Linear, RMSNorm, Transformer, all_head_logits, embed_stream
 from .numerics import gemm_order, kernel_numerics
 from .rope import rope_tables, with_rope_tail
 from .quant import dequant_fp8_weight, linear_fp32
@@ -80,8 +80,7 @@ def logits_from_capture(model: Transformer, cap: Capture) -> torch.Tensor:
     """The head's logits fp32 [B, S, V] at every position of a step run with `cap` (the last block's
     output and its ffn pre-mix: what head_logits reads at one position, here at each)."""
     L = model.cfg.n_layers - 1
-    h, pre = cap.tensors[f"layers.{L}.out"], cap.tensors[f"layers.{L}.hc_ffn.pre"]
-    return model.head(model.norm(hc_pre(h, pre)).float())
+    return all_head_logits(model.norm, model.head, cap.tensors[f"layers.{L}.out"], cap.tensors[f"layers.{L}.hc_ffn.pre"])
 
 
 # ----------------------------------------------------------------------------------------- drafter

@@ -908,6 +908,12 @@ def engram_at(engram: Engram, layer: int, h: torch.Tensor, hash_ids: torch.Tenso
     return h
 
 
+def all_head_logits(norm: RMSNorm, head: Linear, h: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    """`head_logits` at every position of the stream h bf16 [B,S,hc,D] (pre_mix fp32 [B,S,hc]) ->
+    logits fp32 [B,S,V] (a speculative verify's read)."""
+    return head(norm(hc_pre(h, pre_mix)).float())
+
+
 def head_logits(norm: RMSNorm, head: Linear, h: torch.Tensor, pre_mix: torch.Tensor, last: torch.Tensor,
                 cap: Capture | None = None) -> torch.Tensor:
     """The final pre-mix, norm and fp32 head at position last int64 [B] of each row of the stream

@@ -46,8 +46,7 @@ from torch import nn
 from .cache_rows import writes_in_place
 from .config import ModelConfig
 from .context import Capture, step_inputs
-from .mhc import hc_pre
-from .model import Transformer, embed_stream, engram_at, head_logits
+from .model import Transformer, all_head_logits, embed_stream, engram_at, head_logits
 from .numerics import gemm_order, indexer_mode, kernel_numerics
 from .steps import init_state, state_layout
 
@@ -299,8 +298,8 @@ class HeadStage(_Captures):
 class HeadAllStage(_Captures):
     """(h, pre_mix) -> logits fp32 [B, S, V] at every position: a speculative verify's head, one
     read of the vocabulary projection for all of a call's positions (graphs/dspark.py
-    `logits_from_capture`). Each position's logits are HeadStage's there: the kernels give a
-    row the same bits whatever the rows beside it."""
+    `logits_from_capture`; graphs/model.py `all_head_logits`). Each position's logits are
+    HeadStage's there: the kernels give a row the same bits whatever the rows beside it."""
 
     def __init__(self, model: Transformer):
         super().__init__()
@@ -308,7 +307,7 @@ class HeadAllStage(_Captures):
 
     def run(self, h: torch.Tensor, pre_mix: torch.Tensor):
         cap = self._capture()
-        return self._finish((self.head(self.norm(hc_pre(h, pre_mix)).float()),), cap)
+        return self._finish((all_head_logits(self.norm, self.head, h, pre_mix),), cap)
 
 
 def head_position(env: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -326,14 +325,9 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
     decode step's attention stages write their one-row caches into their inputs (AttnStage). A
     verify is the chunk's stages with the head at every position (HeadAllStage, kind "head_all").
     Raises ValueError for an unknown step."""
-    if step == "verify":
-        stages = build_stages(model, "chunk", batch, capacity, order, indexer, numerics, in_place)
-        head = HeadAllStage(model)
-        head.order, head.indexer, head.numerics = order, indexer, numerics
-        stages[-1] = Stage("head", "head_all", head, ("h", "pre_mix"), ("logits",), per_token=True)
-        return stages
-    if step not in DATA:
+    if step not in (*DATA, "verify"):
         raise ValueError(f"build_stages: step must be one of {(*DATA, 'verify')}, got {step!r}")
+    verify, step = step == "verify", "chunk" if step == "verify" else step
     cfg = model.cfg
     stages = [Stage("embed", "embed", EmbedStage(model), ("tokens",), ("h", "pre_mix"), per_token=True)]
     for L in range(cfg.n_layers):
@@ -345,7 +339,10 @@ def build_stages(model: Transformer, step: str, batch: int, capacity: int, order
         stages.append(Stage(f"layers.{L}.attn", attn_kind(cfg, L), attn, attn.input_names, attn.output_names, L))
         stages.append(Stage(f"layers.{L}.ffn", ffn_kind(cfg, L), FfnStage(model, L), ("h", "pre_mix"), ("h", "pre_mix"), L,
                             per_token=True))
-    stages.append(Stage("head", "head", HeadStage(model), ("h", "pre_mix", "last"), ("logits",), per_token=True))
+    if verify:
+        stages.append(Stage("head", "head_all", HeadAllStage(model), ("h", "pre_mix"), ("logits",), per_token=True))
+    else:
+        stages.append(Stage("head", "head", HeadStage(model), ("h", "pre_mix", "last"), ("logits",), per_token=True))
     for st in stages:
         st.module.order, st.module.indexer, st.module.numerics = order, indexer, numerics
     return stages

@@ -224,10 +224,11 @@ class _Probes:
         return self._probe_names
 
     def forward(self, *inputs):
+        # _run returns (logits, [main_hidden,] state): what comes before the state is returned first
         cap = Capture() if self.probes else None
-        logits, state = self._run(*inputs, capture=cap)
+        *outs, state = self._run(*inputs, capture=cap)
         probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
-        return (logits, *[state[n] for n in self.state_names], *probes)
+        return (*outs, *[state[n] for n in self.state_names], *probes)
 
 
 class PrefillStep(_Probes, nn.Module):
@@ -262,14 +263,6 @@ class PrefillStep(_Probes, nn.Module):
             if self.seed_window:
                 return prefill_seed(self.model, tokens, valid_len, engram_ids, self.seed_window, capture)
             return prefill(self.model, tokens, valid_len, engram_ids, capture)
-
-    def forward(self, *inputs):
-        if not self.seed_window:
-            return super().forward(*inputs)
-        cap = Capture() if self.probes else None
-        logits, hidden, state = self._run(*inputs, capture=cap)
-        probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
-        return (logits, hidden, *[state[n] for n in self.state_names], *probes)
 
 
 class DecodeStep(_Probes, nn.Module):
@@ -335,9 +328,3 @@ class VerifyStep(ChunkStep):
         with gemm_order(self.order), indexer_mode(self.indexer):
             return verify_chunk(self.model, tokens, pos, valid_len, engram_ids,
                                 dict(zip(self.state_names, state_tensors)), capture)
-
-    def forward(self, *inputs):
-        cap = Capture() if self.probes else None
-        logits, hidden, state = self._run(*inputs, capture=cap)
-        probes = [cap.tensors[n] for n in self.probe_names()] if cap is not None else []
-        return (logits, hidden, *[state[n] for n in self.state_names], *probes)
