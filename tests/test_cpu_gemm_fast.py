@@ -222,6 +222,67 @@ def test_table_expansion_equals_the_arithmetic_one(fmt, m):
     assert_bits(tables.gemm_fast_segments(*args), arith.gemm_fast_segments(*args))
 
 
+AVX2_HOST = G.ISA_NEEDS["avx2"] <= F.cpu_flags() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.mark.skipif(not AVX2_HOST, reason="the host has no AVX2 and FMA")
+@pytest.mark.parametrize("fmt", F.FAST_FORMATS)
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 9, 29])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_avx2_layer_equals_the_portable_one(fmt, m, flush_denormal):
+    """The avx2 variant (intrinsics, pair vectors widened to fp32) and the generic one (plain loops)
+    do the same fma sequence: the same bits on every FP8 code (NaN and the subnormals, which the
+    AVX2 layer passes through an fp32 denormal, also with denormals-are-zero set in the process)
+    and every FP4 nibble pair, on the decode path (M <= 4) and the expanded panel in tiles of 8,
+    plain, continued from init and grouped."""
+    ns = {}
+    for variant in ("avx2", "generic"):
+        if F.VARIANT == variant:
+            ns[variant] = OPS
+        else:
+            F.build(variant, namespace=f"dsneuron_fast_{variant}")
+            ns[variant] = getattr(torch.ops, f"dsneuron_fast_{variant}")
+    gen = torch.Generator().manual_seed(m)
+    k = 256
+    if fmt == "bf16":
+        weight, scale = torch.randn(3, 48, k, generator=gen).to(torch.bfloat16), None
+    else:
+        codes = torch.randint(0, 256, (3, 48, k if fmt == "fp8" else k // 2), generator=gen, dtype=torch.uint8)
+        codes[0, 8:16].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte, in panel 0's second half
+        shape = (3, 2, k // 32) if fmt == "fp8" else (3, 48, k // 32)
+        scale = torch.randint(100, 150, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        weight = codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes.view(torch.int8)
+    code = G.FORMATS.index(fmt)
+    a = activations(m, k, gen)
+    init = activations(m, 48, gen)
+    plain = G.prepare_weight(fmt, weight[0], None if scale is None else scale[0])
+    stacked = G.prepare_weight(fmt, weight, scale)
+    offsets = torch.tensor([0, m // 3, m // 3, m])
+    calls = (("gemm_fast", (a, plain["w"], plain["w_scale"], code, 48)),
+             ("gemm_fast_acc", (a, plain["w"], plain["w_scale"], code, 48, init)),
+             ("gemm_fast_segments", (a, offsets, stacked["w"], stacked["w_scale"], code, 48)))
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        for op, args in calls:
+            avx2, generic = getattr(ns["avx2"], op)(*args), getattr(ns["generic"], op)(*args)
+            assert_bits(avx2, generic)
+            if fmt == "fp8" and op != "gemm_fast_segments":  # the NaN codes' rows: the patched path ran
+                assert avx2[:, 8:16].isnan().any()
+    finally:
+        torch.set_flush_denormal(False)
+    if fmt == "fp8":  # the subnormal codes read back exactly (not as 0) with DAZ set
+        eye = torch.eye(k)[:m]
+        ones = torch.full((2, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        sub = torch.arange(1, 8, dtype=torch.uint8).repeat(48 * k // 7 + 1)[: 48 * k].view(48, k)
+        p = G.prepare_weight("fp8", sub.view(torch.float8_e4m3fn), ones)
+        torch.set_flush_denormal(True)
+        try:
+            got = ns["avx2"].gemm_fast(eye, p["w"], p["w_scale"], 0, 48)
+        finally:
+            torch.set_flush_denormal(False)
+        assert torch.equal(got, sub.view(torch.float8_e4m3fn).float().T[:m])
+
+
 @pytest.mark.skipif(F.VARIANT != "avx512vbmi", reason="the host has no AVX512-VBMI (or it is turned off)")
 def test_vbmi_can_be_turned_off():
     """DSNEURON_FAST_NO_VBMI=1 (the benchmarks' A/B switch) builds the arithmetic-expansion variant."""

@@ -11,6 +11,12 @@
 //
 // Every e4m3fn and e2m1 value is a bf16 (<= 3 mantissa bits, exponents inside bf16's range), so
 // the expansion is exact, block scales excluded (gemm_fast.cpp applies them to block partials).
+//
+// Three layers: AVX-512 (VDPBF16PS), AVX2 (two fp32 fma per pair in k order, the weights widened
+// to fp32 once per pair vector and shared by the tile's rows) and a portable one (the same
+// arithmetic as AVX2 in plain loops, for the "generic" build). AVX2 and portable give the same bits.
+// WElem: the element of an expanded panel's pair buffer (32 per pair vector: bf16 bits, or fp32
+// on AVX2, where a pair vector is kept widened); kTileRows: rows per register tile (gemm_fast.cpp).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +28,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define DSN_AMX 1  // gemm_fast.cpp's AMX layer; the process must hold AMX permission (cpu_gemm_fast.py)
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DSN_AVX2 1
 #endif
 
 namespace dsn {
@@ -36,6 +45,8 @@ inline void prefetch_l2(const void* p, int64_t ahead) {
 
 struct Acc { __m512 v; };
 struct W { __m512i v; };
+using WElem = uint16_t;
+constexpr int kTileRows = 12;  // 12 partials + 12 accs + weights < 32 zmm
 inline Acc azero() { return {_mm512_setzero_ps()}; }
 inline Acc aset(float x) { return {_mm512_set1_ps(x)}; }
 inline Acc aload(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -148,10 +159,128 @@ inline W bf16_pair(const uint16_t* val) {
   return {_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(val))};
 }
 
-#else  // portable layer (AVX2 hosts: the compiler vectorises the 16-lane loops with -mavx2 -mfma)
+#elif DSN_AVX2
+
+// 16 lanes as two halves of 8 (lo: lanes 0-7); a pair vector widened to fp32: e = w[k][l],
+// o = w[k + 1][l], 0 / 1 = lanes 0-7 / 8-15. The portable layer's arithmetic, fma for fma.
+struct Acc { __m256 lo, hi; };
+struct W { __m256 e0, o0, e1, o1; };
+using WElem = float;
+constexpr int kTileRows = 8;  // measured against 4 and 6 (prefill-sized M): more rows per pair load win over spills
+
+inline Acc azero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Acc aset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Acc aload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+// all-ones in lanes i < n of 8 (none for n <= 0)
+inline __m256i first_lanes(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+inline Acc aload_n(const float* p, int n) {
+  return {_mm256_maskload_ps(p, first_lanes(n)), _mm256_maskload_ps(p + 8, first_lanes(n - 8))};
+}
+inline void astore_n(float* p, Acc x, int n) {
+  _mm256_maskstore_ps(p, first_lanes(n), x.lo);
+  _mm256_maskstore_ps(p + 8, first_lanes(n - 8), x.hi);
+}
+inline Acc afma(Acc p, Acc s, Acc acc) { return {_mm256_fmadd_ps(p.lo, s.lo, acc.lo), _mm256_fmadd_ps(p.hi, s.hi, acc.hi)}; }
+inline W wload(const float* p) {
+  return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+}
+inline void wstore(float* p, W w) {
+  _mm256_storeu_ps(p, w.e0);
+  _mm256_storeu_ps(p + 8, w.o0);
+  _mm256_storeu_ps(p + 16, w.e1);
+  _mm256_storeu_ps(p + 24, w.o1);
+}
+
+// lane l += a[0] * w[k][l], then += a[1] * w[k + 1][l] (a: two bf16, k and k + 1)
+inline Acc dot(Acc c, const W& w, const uint16_t* a) {
+  int32_t x;
+  std::memcpy(&x, a, 4);
+  const __m256i v = _mm256_set1_epi32(x);
+  const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  const __m256 a1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+  return {_mm256_fmadd_ps(a1, w.o0, _mm256_fmadd_ps(a0, w.e0, c.lo)),
+          _mm256_fmadd_ps(a1, w.o1, _mm256_fmadd_ps(a0, w.e1, c.hi))};
+}
+
+// round to nearest even; NaN stays NaN (quiet): the portable loop, which the compiler vectorises
+inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &x[i], 4);
+    y[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+  }
+}
+
+// 8 e4m3fn codes -> fp32. Sign-extended, shifted so that s.eeee.mmm lands on fp32's sign, low
+// exponent bits and top mantissa bits: that float is the code's value times 2^-120 (a denormal
+// for e = 0, where the code is m * 2^-9 itself), and one multiply by 2^120 gives the value
+// exactly, zero and subnormal codes included. gemm_fast.cpp clears DAZ around its kernels, which
+// would read that denormal as 0. Magnitude 0x7F (NaN) comes out 480: fp8_pair patches it.
+inline __m256 e4m3_f32(const uint8_t* code) {
+  const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+  const __m256i b = _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32(int32_t(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(b), _mm256_set1_ps(0x1p120f));
+}
+
+// the portable layer's NaN for each code of 32 whose magnitude is 0x7F: 0x7FC0 | sign as bf16
+inline W with_nans(W w, const uint8_t* code) {
+  alignas(32) float v[32];
+  wstore(v, w);
+  static constexpr int kCode[4] = {0, 16, 8, 24};  // where e0, o0, e1, o1 come from
+  for (int q = 0; q < 4; ++q)
+    for (int l = 0; l < 8; ++l) {
+      const uint8_t c = code[kCode[q] + l];
+      if ((c & 0x7F) == 0x7F) {
+        const uint32_t bits = 0x7FC00000u | (uint32_t(c & 0x80) << 24);
+        std::memcpy(&v[8 * q + l], &bits, 4);
+      }
+    }
+  return wload(v);
+}
+
+// FP8 rows k, k+1 of a panel (code + k * 16: 32 bytes) -> pair vector
+inline W fp8_pair(const uint8_t* code) {
+  const W w{e4m3_f32(code), e4m3_f32(code + 16), e4m3_f32(code + 8), e4m3_f32(code + 24)};
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(code));
+  const __m256i mag = _mm256_set1_epi8(0x7F);
+  if (__builtin_expect(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_and_si256(c, mag), mag)) != 0, 0))
+    return with_nans(w, code);
+  return w;
+}
+
+// 8 bytes of an FP4 panel row -> the low nibbles' and the high nibbles' e2m1 values: the 8
+// magnitudes by VPERMPS (which reads an index's low 3 bits), the sign bit moved to bit 31
+inline void e2m1_f32(const uint8_t* code, __m256& lo, __m256& hi) {
+  const __m256 tab = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(code)));
+  const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
+  lo = _mm256_or_ps(_mm256_permutevar8x32_ps(tab, x), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 28), sign)));
+  hi = _mm256_or_ps(_mm256_permutevar8x32_ps(tab, _mm256_srli_epi32(x, 4)),
+                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 24), sign)));
+}
+
+// FP4 byte row j of a panel (code + j * 16: lane l's byte holds k = 2j low nibble, 2j+1 high)
+inline W fp4_pair(const uint8_t* code) {
+  W w;
+  e2m1_f32(code, w.e0, w.o0);
+  e2m1_f32(code + 8, w.e1, w.o1);
+  return w;
+}
+
+// 8 bf16 -> fp32
+inline __m256 bf16_f32(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// bf16 rows k, k+1 of a panel (val + k * 16: 32 values) -> pair vector
+inline W bf16_pair(const uint16_t* val) { return {bf16_f32(val), bf16_f32(val + 16), bf16_f32(val + 8), bf16_f32(val + 24)}; }
+
+#else  // portable layer (the "generic" build)
 
 struct Acc { float v[16]; };
 struct W { uint16_t v[32]; };
+using WElem = uint16_t;
+constexpr int kTileRows = 12;
 inline Acc aset(float x) { Acc r; for (float& e : r.v) e = x; return r; }
 inline Acc azero() { return aset(0.0f); }
 inline Acc aload(const float* p) { Acc r; std::memcpy(r.v, p, sizeof r.v); return r; }

@@ -40,7 +40,7 @@ namespace dsn {
 namespace {
 
 constexpr int64_t kPairs = kBlock / 2;
-constexpr int kTile = 12;         // rows per register tile: 12 partials + 12 accs + weights < 32 zmm
+constexpr int kTile = kTileRows;  // rows per register tile (bf16dot.h: what the layer's registers hold)
 constexpr int64_t kDirect = 4;    // rows up to which pairs are expanded on the fly (measured on tiny)
 
 // true when the n scales at s all lie in [lo, hi] (false for a NaN)
@@ -83,7 +83,7 @@ template <class P>
 struct Expanded {
   static constexpr bool kStream = false;
   const P& src;
-  const uint16_t* buf;
+  const WElem* buf;
   W pair(int64_t j) const { return wload(buf + j * 2 * kPanel); }
   Acc scale_of(int64_t b) const { return src.scale_of(b); }
 };
@@ -317,7 +317,7 @@ void run_panel_amx(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int6
 // tile configuration per thread and row count, not per panel (5% of an M = 1 GEMV, measured)
 template <class P>
 void run_panel(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int64_t panel_bytes, float* out, int64_t ldo,
-               int cols, uint16_t* buf, bool acc, int& configured) {
+               int cols, WElem* buf, bool acc, int& configured) {
 #if DSN_AMX
   run_panel_amx(pn, a, K, rows, panel_bytes, out, ldo, cols, buf, acc, configured);
 #else
@@ -336,6 +336,16 @@ void run_panel(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int64_t 
   }
 #endif
 }
+
+// While alive, this thread reads denormal inputs as they are (MXCSR's DAZ bit off; restored after):
+// the AVX2 layer's FP8 expansion passes subnormal codes through an fp32 denormal (bf16dot.h)
+struct DenormalsAsIs {
+#if DSN_AVX2
+  const unsigned csr = _mm_getcsr();
+  DenormalsAsIs() { _mm_setcsr(csr & ~0x40u); }
+  ~DenormalsAsIs() { _mm_setcsr(csr); }
+#endif
+};
 
 // the RunFn of gemm_args.h
 Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w, const Tensor& s, int64_t fmt,
@@ -356,7 +366,8 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
   const int64_t wps = pn.panel_bytes;
   float* ob = static_cast<float*>(out.mutable_data_ptr());
   torch::stable::parallel_for(0, int64_t(items.size()), item_grain(items, wps, kTile), [&](int64_t begin, int64_t end) {
-    std::unique_ptr<uint16_t[]> buf(new uint16_t[K * kPanel]);  // one expanded panel: K/2 pairs of 32 bf16
+    std::unique_ptr<WElem[]> buf(new WElem[K * kPanel]);  // one expanded panel: K/2 pair vectors
+    const DenormalsAsIs keep;
     int configured = 0;  // other code on this thread (oneDNN) may have loaded its own tile configuration
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
