@@ -16,7 +16,9 @@
 // to fp32 once per pair vector and shared by the tile's rows) and a portable one (the same
 // arithmetic as AVX2 in plain loops, for the "generic" build). AVX2 and portable give the same bits.
 // WElem: the element of an expanded panel's pair buffer (32 per pair vector: bf16 bits, or fp32
-// on AVX2, where a pair vector is kept widened); kTileRows: rows per register tile (gemm_fast.cpp).
+// on AVX2, where a pair vector is kept widened); AElem: an activation rounded to bf16 (its bits, or
+// on AVX2 its fp32 value, which `dot` broadcasts without widening it per row; `to_act` makes
+// them); kTileRows: rows per register tile (gemm_fast.cpp).
 #pragma once
 
 #include <cstdint>
@@ -46,7 +48,9 @@ inline void prefetch_l2(const void* p, int64_t ahead) {
 struct Acc { __m512 v; };
 struct W { __m512i v; };
 using WElem = uint16_t;
+using AElem = uint16_t;
 constexpr int kTileRows = 12;  // 12 partials + 12 accs + weights < 32 zmm
+constexpr int kDirectRows = 4;  // measured on tiny
 inline Acc azero() { return {_mm512_setzero_ps()}; }
 inline Acc aset(float x) { return {_mm512_set1_ps(x)}; }
 inline Acc aload(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -74,6 +78,7 @@ inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
     _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + i)));
   }
 }
+inline void to_act(const float* x, uint16_t* y, int64_t n) { to_bf16(x, y, n); }
 
 // The 8 subnormal e4m3 magnitudes m * 2^-9 as bf16, by m (lanes 8-31 unused)
 inline __m512i fp8_subnormals() {
@@ -166,7 +171,9 @@ inline W bf16_pair(const uint16_t* val) {
 struct Acc { __m256 lo, hi; };
 struct W { __m256 e0, o0, e1, o1; };
 using WElem = float;
+using AElem = float;
 constexpr int kTileRows = 8;  // measured against 4 and 6 (prefill-sized M): more rows per pair load win over spills
+constexpr int kDirectRows = 8;  // measured against 4: FP4 and bf16 0.7-0.9x the time at 5-8 rows
 
 inline Acc azero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Acc aset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
@@ -191,23 +198,21 @@ inline void wstore(float* p, W w) {
   _mm256_storeu_ps(p + 24, w.o1);
 }
 
-// lane l += a[0] * w[k][l], then += a[1] * w[k + 1][l] (a: two bf16, k and k + 1)
-inline Acc dot(Acc c, const W& w, const uint16_t* a) {
-  int32_t x;
-  std::memcpy(&x, a, 4);
-  const __m256i v = _mm256_set1_epi32(x);
-  const __m256 a0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  const __m256 a1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+// lane l += a[0] * w[k][l], then += a[1] * w[k + 1][l] (a: k and k + 1, values of bf16)
+inline Acc dot(Acc c, const W& w, const float* a) {
+  const __m256 a0 = _mm256_broadcast_ss(a), a1 = _mm256_broadcast_ss(a + 1);
   return {_mm256_fmadd_ps(a1, w.o0, _mm256_fmadd_ps(a0, w.e0, c.lo)),
           _mm256_fmadd_ps(a1, w.o1, _mm256_fmadd_ps(a0, w.e1, c.hi))};
 }
 
-// round to nearest even; NaN stays NaN (quiet): the portable loop, which the compiler vectorises
-inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
+// n fp32 -> their bf16 roundings (nearest even; NaN stays NaN, quiet) as fp32: the portable
+// to_bf16's values, widened back
+inline void to_act(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;
     std::memcpy(&b, &x[i], 4);
-    y[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+    b = (b & 0x7FFFFFFFu) > 0x7F800000u ? (b | 0x400000u) & 0xFFFF0000u : (b + 0x7FFFu + ((b >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(&y[i], &b, 4);
   }
 }
 
@@ -280,7 +285,9 @@ inline W bf16_pair(const uint16_t* val) { return {bf16_f32(val), bf16_f32(val + 
 struct Acc { float v[16]; };
 struct W { uint16_t v[32]; };
 using WElem = uint16_t;
+using AElem = uint16_t;
 constexpr int kTileRows = 12;
+constexpr int kDirectRows = 4;
 inline Acc aset(float x) { Acc r; for (float& e : r.v) e = x; return r; }
 inline Acc azero() { return aset(0.0f); }
 inline Acc aload(const float* p) { Acc r; std::memcpy(r.v, p, sizeof r.v); return r; }
@@ -315,6 +322,7 @@ inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
     y[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
   }
 }
+inline void to_act(const float* x, uint16_t* y, int64_t n) { to_bf16(x, y, n); }
 
 // e4m3fn code -> bf16 bits (s.(e+120).mmm0000; subnormals m * 2^-9; magnitude 0x7F NaN)
 inline const uint16_t* e4m3_bf16_table() {

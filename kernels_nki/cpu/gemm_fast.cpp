@@ -17,10 +17,10 @@
 //
 // Kernels, per 16-column panel:
 //   rows <= kDirect  pairs expanded on the fly from the panel's bytes (decode: the weights are read
-//                    once, in their checkpoint width), 4 (1 row) or 2 (2-4 rows) blocks in flight
+//                    once, in their checkpoint width), 4 (1 row), 2 (2-4 rows) or 1 block in flight
 //                    so the dot latency is hidden, the next panel prefetched meanwhile;
-//   more rows        the panel expanded once into a bf16 pair buffer [K/2][32] (L2), then tiles of
-//                    up to kTile rows, each row's partial and acc in registers.
+//   more rows        the panel expanded once into a pair buffer [K/2][32] (L2; bf16, or fp32 on
+//                    AVX2), then tiles of up to kTile rows, each row's partial and acc in registers.
 // Build: its own library (cpu_gemm_fast.py), -O3 -ffp-contract=off, with -mavx512f -mavx512bw
 // -mavx512bf16 where the host has AVX512-BF16 (plus -mamx-tile -mamx-bf16 where it has AMX-BF16),
 // else the AVX2 flags of gemm.cpp.
@@ -41,7 +41,6 @@ namespace {
 
 constexpr int64_t kPairs = kBlock / 2;
 constexpr int kTile = kTileRows;  // rows per register tile (bf16dot.h: what the layer's registers hold)
-constexpr int64_t kDirect = 4;    // rows up to which pairs are expanded on the fly (measured on tiny)
 
 // true when the n scales at s all lie in [lo, hi] (false for a NaN)
 inline bool in_range(const float* s, int64_t n, float lo, float hi) {
@@ -78,6 +77,13 @@ struct Bf16P {
   const void* ptr(int64_t j) const { return val + 2 * j * kPanel; }
   bool scales_in(float, float, int64_t) const { return true; }
 };
+// rows up to which a panel's pairs are expanded on the fly (bf16dot.h kDirectRows); FP8's
+// expansion, the costliest, measured faster through the pair buffer past 4 rows on AVX2
+template <class P>
+constexpr int64_t kDirect = kDirectRows;
+template <>
+constexpr int64_t kDirect<Fp8P> = std::min(kDirectRows, 4);
+
 // a panel already expanded into pairs [K/2][32], with its format's scales
 template <class P>
 struct Expanded {
@@ -91,7 +97,7 @@ struct Expanded {
 // NB consecutive blocks b0.. of M rows of a (bf16, row stride lda) -> c[m] in ascending block order;
 // a streamed source prefetches the bytes `ahead` past each pair (the next panel)
 template <int M, int NB, class S>
-inline void group(const S& s, const uint16_t* a, int64_t lda, int64_t b0, int64_t ahead, Acc* c) {
+inline void group(const S& s, const AElem* a, int64_t lda, int64_t b0, int64_t ahead, Acc* c) {
   Acc p[NB][M];
   for (auto& pi : p)
     for (auto& pm : pi) pm = azero();
@@ -113,7 +119,7 @@ inline void group(const S& s, const uint16_t* a, int64_t lda, int64_t b0, int64_
 // M rows (M <= kTile) of a against one panel source -> out rows (stride ldo, `cols` columns);
 // `acc`: the sums start from what out holds
 template <int M, class S>
-void tile(const S& s, const uint16_t* a, int64_t lda, int64_t kb, int64_t ahead, float* out, int64_t ldo, int cols,
+void tile(const S& s, const AElem* a, int64_t lda, int64_t kb, int64_t ahead, float* out, int64_t ldo, int cols,
           bool acc) {
   constexpr int NB = M == 1 ? 4 : M <= 4 ? 2 : 1;  // >= 4 independent dot chains
   Acc c[M];
@@ -316,15 +322,15 @@ void run_panel_amx(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int6
 // configured: the AMX tile rows this thread has configured since it took its items (0: none): one
 // tile configuration per thread and row count, not per panel (5% of an M = 1 GEMV, measured)
 template <class P>
-void run_panel(const P& pn, const uint16_t* a, int64_t K, int64_t rows, int64_t panel_bytes, float* out, int64_t ldo,
+void run_panel(const P& pn, const AElem* a, int64_t K, int64_t rows, int64_t panel_bytes, float* out, int64_t ldo,
                int cols, WElem* buf, bool acc, int& configured) {
 #if DSN_AMX
   run_panel_amx(pn, a, K, rows, panel_bytes, out, ldo, cols, buf, acc, configured);
 #else
   const int64_t kb = K / kBlock;
-  if (rows <= kDirect) {
+  if (rows <= kDirect<P>) {
     by_rows(int(rows), [&](auto MR) {
-      if constexpr (MR() <= kDirect) tile<MR()>(pn, a, K, kb, panel_bytes, out, ldo, cols, acc);
+      if constexpr (MR() <= kDirect<P>) tile<MR()>(pn, a, K, kb, panel_bytes, out, ldo, cols, acc);
     });
     return;
   }
@@ -355,11 +361,11 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
   Tensor out = init ? torch::stable::clone(*init) : torch::stable::new_empty(a, {R, n});
   if (init && !out.is_contiguous()) out = torch::stable::contiguous(out);
   if (R == 0 || n == 0) return out;
-  // the activations as bf16, once
-  std::unique_ptr<uint16_t[]> abf(new uint16_t[R * K]);
+  // the activations rounded to bf16, once (bf16dot.h AElem)
+  std::unique_ptr<AElem[]> abf(new AElem[R * K]);
   const float* af = static_cast<const float*>(a.const_data_ptr());
   torch::stable::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    to_bf16(af + begin * K, abf.get() + begin * K, (end - begin) * K);
+    to_act(af + begin * K, abf.get() + begin * K, (end - begin) * K);
   });
   const std::vector<Item> items = work_items(seg, P, kTile);
   const Panels pn(w, s, lead);
@@ -374,7 +380,7 @@ Tensor run(const Tensor& a_in, const std::vector<int64_t>& seg, const Tensor& w,
       const int cols = int(std::min(kPanel, n - it.p * kPanel));
       const uint8_t* wp = pn.weight(it);
       const float* sp = pn.scale(it);
-      const uint16_t* ar = abf.get() + it.r0 * K;
+      const AElem* ar = abf.get() + it.r0 * K;
       float* o = ob + it.r0 * n + it.p * kPanel;
       const bool acc = init != nullptr;
       if (fmt == FP8) run_panel(Fp8P{wp, sp}, ar, K, it.r1 - it.r0, wps, o, n, cols, buf.get(), acc, configured);
