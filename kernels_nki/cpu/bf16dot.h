@@ -38,6 +38,12 @@
 namespace dsn {
 namespace {
 
+// fp32 bits -> bf16 bits, round to nearest even; NaN stays NaN (quiet): the AVX2 and portable
+// layers' activation rounding (VCVTNEPS2BF16's on AVX-512)
+inline uint16_t bf16_bits(uint32_t b) {
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+}
+
 // hint that the line `ahead` bytes past p is read soon, into L2 (simd.h `prefetch` says why)
 inline void prefetch_l2(const void* p, int64_t ahead) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + uintptr_t(ahead)), 0, 1);
@@ -205,13 +211,12 @@ inline Acc dot(Acc c, const W& w, const float* a) {
           _mm256_fmadd_ps(a1, w.o1, _mm256_fmadd_ps(a0, w.e1, c.hi))};
 }
 
-// n fp32 -> their bf16 roundings (nearest even; NaN stays NaN, quiet) as fp32: the portable
-// to_bf16's values, widened back
+// n fp32 -> their bf16 roundings (bf16_bits) as fp32: the portable to_bf16's values, widened back
 inline void to_act(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;
     std::memcpy(&b, &x[i], 4);
-    b = (b & 0x7FFFFFFFu) > 0x7F800000u ? (b | 0x400000u) & 0xFFFF0000u : (b + 0x7FFFu + ((b >> 16) & 1)) & 0xFFFF0000u;
+    b = uint32_t(bf16_bits(b)) << 16;
     std::memcpy(&y[i], &b, 4);
   }
 }
@@ -319,7 +324,7 @@ inline void to_bf16(const float* x, uint16_t* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b;
     std::memcpy(&b, &x[i], 4);
-    y[i] = (b & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+    y[i] = bf16_bits(b);
   }
 }
 inline void to_act(const float* x, uint16_t* y, int64_t n) { to_bf16(x, y, n); }
