@@ -102,7 +102,8 @@ class StagedCompile:
             views.update({n: dtype_name(self.backend.input_views[self.parts.weights[n].dtype]) for n in names
                           if self.parts.weights[n].dtype in self.backend.input_views})
             stages.append({"name": sg.name, "kind": sg.kind, "file": f"{folder}/{sg.kind}{ext}", "weights": list(names),
-                           "inputs": [n for n, _ in sg.graph.inputs], "outputs": list(sg.graph.outputs)})
+                           "inputs": [n for n, _ in sg.graph.inputs], "outputs": list(sg.graph.outputs),
+                           "per_token": sg.per_token})
             specs.update({n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in sg.graph.inputs})
             outputs.update({n: {"shape": list(shape), "dtype": dtype_name(dtype)}
                             for n, (shape, dtype) in zip(sg.graph.outputs, sg.output_specs)})

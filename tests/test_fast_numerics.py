@@ -70,6 +70,51 @@ def test_a_decode_step_writes_its_caches_in_place_on_a_copy(fast_bundle):
         Manifest.from_json(old.to_json())
 
 
+class _Rows:
+    """A stage package that records the token rows of its stream input (h, or the tokens), then runs."""
+
+    def __init__(self, loader, seen: list[int]):
+        self.loader, self.seen = loader, seen
+
+    def boxed_run(self, args):
+        self.seen.append(args[-1].size(1) if args[-1].dim() >= 2 else -1)
+        return self.loader.boxed_run(args)
+
+
+def test_per_token_stages_run_on_the_valid_rows_alone(fast_bundle):
+    """A prefill of prompts of 3 and 5 tokens runs at the bucket's padded token count, and its
+    per-token stages (the MoE halves, engram, head: schema.Stage.per_token) on 5 rows only
+    (executor_cpu._run_rows); the logits and the state are the bits of the same call with every
+    stage at the padded count."""
+    runner = Session.load(fast_bundle).runner
+    prompts = [[1, 104, 105], [1, 120, 121, 122, 123]]
+    length = runner.lengths("prefill", 2)[0]
+    exe = runner.executable("prefill", 2, length)
+    padded = exe.bucket.padded_len(5)
+    assert padded > 5, "the test needs a prompt shorter than its padded token count"
+    flagged = {st.name for st in exe.bucket.stages if st.per_token}
+    assert {"embed", "head"} <= flagged and all(n in flagged for n in (st.name for st in exe.bucket.stages)
+                                                 if n.endswith((".ffn", ".engram")))
+    assert not any(st.per_token for st in exe.bucket.stages if st.name.endswith(".attn"))
+    ffn = [i for i, st in enumerate(exe.bucket.stages) if st.name.endswith(".ffn")]
+    original = list(exe._stages)
+    seen: list[int] = []
+    try:
+        for i in ffn:
+            loader, *rest = exe._stages[i]
+            exe._stages[i] = (_Rows(loader, seen), *rest)
+        trimmed = runner.prefill(prompts)
+        assert seen == [5] * len(ffn)
+        seen.clear()
+        exe._stages = [(*entry[:4], False) for entry in exe._stages]
+        whole = runner.prefill(prompts)
+        assert seen == [padded] * len(ffn)
+    finally:
+        exe._stages = original
+    assert torch.equal(trimmed.logits, whole.logits)
+    assert all(torch.equal(trimmed.state.tensors[n], whole.state.tensors[n]) for n in whole.state.tensors)
+
+
 def test_fast_bundle_text_is_deterministic(fast_bundle):
     first = Session.load(fast_bundle).generate_ids(["Hello world"], 8)
     assert Session.load(fast_bundle).generate_ids(["Hello world"], 8) == first

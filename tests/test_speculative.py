@@ -485,7 +485,7 @@ def test_a_staged_call_skips_the_named_stages_and_refuses_to_skip_what_a_later_s
     log: list[str] = []
     exe = object.__new__(StagedExecutable)
     exe.bucket, exe.stage_seconds, exe._written, exe._columns, exe._last = bucket, None, [], False, False
-    exe._stages = [(_Loader(log, st.name), [torch.tensor(10.0 ** i)], st.inputs, st.outputs)
+    exe._stages = [(_Loader(log, st.name), [torch.tensor(10.0 ** i)], st.inputs, st.outputs, False)
                    for i, st in enumerate(stages)]
     h = torch.tensor(1.0)
     full, _ = exe.run_tapped([h], ())

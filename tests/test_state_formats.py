@@ -119,6 +119,28 @@ def test_any_bytes_decode_as_the_reference_and_the_portable_build(name, portable
                        _bits(got.view(3, 100, K)[:, ::2]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_e4m3_rows_quantise_as_the_portable_build(dtype, portable_ops):
+    """state_quant of the e4m3 window format, whose AVX2 path quantises 8 lanes at a time: the same
+    bytes as the portable build's scalar loop, for rows holding NaNs of both signs, infinities,
+    both zeros, the largest finite values, subnormals and random values across 2^-140 .. 2^120 (a
+    NaN or an infinity sets its block's scale), and as quantize_state where it is finite."""
+    fmt = FORMATS["window_kv"]
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-140, 120, (64, 1), generator=g).float())
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                            3.0e38, -3.0e38, 1e-40, -1e-45, 448.0, -464.0, 0.0155, 2.0 ** -7])
+    for r in range(0, 64, 4):  # every fourth row gets the specials, at varying columns
+        x[r, torch.randperm(256, generator=g)[:special.numel()]] = special
+    x = x.to(dtype)
+    fmt_code = cpu_gemm.STATE_FMTS.index((fmt.elem, fmt.scale))
+    got = cpu_gemm.state_quant(x, fmt.block, fmt.elem, fmt.scale)
+    assert torch.equal(got, portable_ops.state_quant(x, fmt.block, fmt_code))
+    finite = x.isfinite().all(dim=1)
+    assert finite.sum() >= 40
+    assert torch.equal(got[finite], Q.quantize_state(x[finite], fmt))
+
+
 def test_a_fresh_row_decodes_to_positive_zeros():
     for fmt in FORMATS.values():
         z = torch.zeros(2, fmt.row_bytes(64), dtype=torch.uint8)

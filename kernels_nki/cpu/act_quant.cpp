@@ -116,11 +116,9 @@ inline __m256 load8(const uint16_t* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// block_scalar, 8 lanes at a time (block % 8 == 0); the same operations lane by lane: the max is
-// exact in any order, x * 2^-e rounds the same exact value as x / 2^e (2^-127 is an fp32
-// subnormal), and NaN lanes are passed through as block_scalar passes them
+// block_amax of block % 8 == 0 elements, 8 lanes at a time (the max is exact in any order)
 template <class T>
-void block_avx2(const T* x, float* out, int64_t block) {
+float block_amax_avx2(const T* x, int64_t block) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   for (int64_t i = 0; i < block; i += 8) {
@@ -132,24 +130,65 @@ void block_avx2(const T* x, float* out, int64_t block) {
   _mm256_store_ps(lanes, amax);
   float m = lanes[0];
   for (int j = 1; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
-  const float s = ue8m0(_mm256_movemask_ps(nan) ? NAN : m);
+  return _mm256_movemask_ps(nan) ? NAN : m;
+}
+
+// e4m3() of 8 lanes v (|v| <= 448), the same integer and rounding steps; NaN lanes come out
+// unspecified, for the caller to patch
+inline __m256 e4m3_avx2(__m256 v) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)));
+  const __m256 a = _mm256_and_ps(v, abs_mask);
+  const __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                   _mm256_set1_ps(1.0f / 512.0f));
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFFF)), odd), _mm256_set1_epi32(~0xFFFFF)));
+  const __m256 r = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ));
+  return _mm256_or_ps(r, _mm256_and_ps(v, sign));
+}
+
+// block_scalar, 8 lanes at a time (block % 8 == 0); the same operations lane by lane: x * 2^-e
+// rounds the same exact value as x / 2^e (2^-127 is an fp32 subnormal), and NaN lanes are passed
+// through as block_scalar passes them
+template <class T>
+void block_avx2(const T* x, float* out, int64_t block) {
+  const float s = ue8m0(block_amax_avx2(x, block));
   const __m256 vs = _mm256_set1_ps(s), vinv = _mm256_set1_ps(1.0f / s);
   const __m256 hi = _mm256_set1_ps(kE4m3Max), lo = _mm256_set1_ps(-kE4m3Max);
-  const __m256 sub_top = _mm256_set1_ps(0.015625f), k512 = _mm256_set1_ps(512.0f), k1_512 = _mm256_set1_ps(1.0f / 512.0f);
-  const __m256i round = _mm256_set1_epi32(0x7FFFF), one = _mm256_set1_epi32(1), keep = _mm256_set1_epi32(~0xFFFFF);
-  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u)));
   for (int64_t i = 0; i < block; i += 8) {
     const __m256 xv = load8(x + i);
     const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(xv, vinv), lo), hi);  // NaN lanes fixed below
-    const __m256 a = _mm256_and_ps(v, abs_mask);
-    const __m256 sub = _mm256_mul_ps(_mm256_round_ps(_mm256_mul_ps(a, k512), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), k1_512);
-    const __m256i u = _mm256_castps_si256(a);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), one);
-    const __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, round), odd), keep));
-    __m256 r = _mm256_blendv_ps(normal, sub, _mm256_cmp_ps(a, sub_top, _CMP_LT_OQ));
-    r = _mm256_or_ps(r, _mm256_and_ps(v, sign));
-    r = _mm256_mul_ps(r, vs);
+    const __m256 r = _mm256_mul_ps(e4m3_avx2(v), vs);
     _mm256_storeu_ps(out + i, _mm256_blendv_ps(r, xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)));
+  }
+}
+
+// state_block of an e4m3 x UE8M0 block (block % 8 == 0), 8 lanes at a time: x / s clamped, e4m3()
+// (e4m3_avx2), then e4m3_byte's code: (bits >> 20) - (120 << 3) for a normal value (exponent
+// rebiased from fp32's 127 to e4m3's 7, three mantissa bits), a * 2^9 below 2^-6, the sign, and
+// sign | 0x7F for a NaN x (x / s keeps x's NaN and its sign). Divides as state_block does.
+template <class T>
+void state_fp8_avx2(const T* x, uint8_t* codes, uint8_t* scale, int64_t block) {
+  const float s = ue8m0(block_amax_avx2(x, block));
+  *scale = uint8_t((bits(s) >> 23) & 0xFFu);
+  const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(kE4m3Max), lo = _mm256_set1_ps(-kE4m3Max);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i sign = _mm256_set1_epi32(0x80), nan_code = _mm256_set1_epi32(0x7F);
+  for (int64_t i = 0; i < block; i += 8) {
+    const __m256 xv = load8(x + i);
+    const __m256 r = e4m3_avx2(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(xv, vs), lo), hi));
+    const __m256 a = _mm256_and_ps(r, abs_mask);
+    const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_castps_si256(a), 20), _mm256_set1_epi32(120 << 3));
+    const __m256i sub = _mm256_cvttps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(512.0f)));
+    __m256i c = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ)));
+    c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(r), 24), sign));
+    const __m256i nan = _mm256_or_si256(nan_code, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(xv), 24), sign));
+    c = _mm256_blendv_epi8(c, nan, _mm256_castps_si256(_mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)));
+    const __m128i c16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(c16, c16));
   }
 }
 #endif
@@ -321,6 +360,15 @@ Tensor state_quant(Tensor x_in, int64_t block, int64_t fmt) {
       for (int64_t j = 0; j < K / block; ++j) {
         uint8_t* codes = o + r * row + f.code_bytes(j * block);
         uint8_t* scale = o + r * row + f.code_bytes(K) + j;
+#ifdef __AVX2__
+        if (f.fp8 && block % 8 == 0) {
+          if (bf16)
+            state_fp8_avx2(static_cast<const uint16_t*>(p) + r * K + j * block, codes, scale, block);
+          else
+            state_fp8_avx2(static_cast<const float*>(p) + r * K + j * block, codes, scale, block);
+          continue;
+        }
+#endif
         if (bf16)
           state_block(static_cast<const uint16_t*>(p) + r * K + j * block, codes, scale, block, f);
         else

@@ -253,23 +253,31 @@ def _prepare_from_dict(raw: Any, where: str) -> Prepare:
 @dataclass(frozen=True)
 class Stage:
     """One stage of a staged bucket (module docstring): `file` run on [`weights`] + the values
-    named by `inputs`, producing the values named by `outputs`."""
+    named by `inputs`, producing the values named by `outputs`.
+
+    per_token: the executable takes any token count from 1 to the bucket's seq_len and computes
+    each token row from that row alone (embed, engram, MoE half, head: graphs/stages.py), so a
+    call with a valid_len runs it on the rows valid_len covers only (executor_cpu.StagedExecutable).
+    Optional in the manifest (False when absent): a runtime that ignores it runs every padded row,
+    with the same results at the valid positions."""
 
     name: str
     file: str
     weights: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    per_token: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "file": self.file, "weights": list(self.weights), "inputs": list(self.inputs),
-                "outputs": list(self.outputs)}
+                "outputs": list(self.outputs), **({"per_token": True} if self.per_token else {})}
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> "Stage":
         r = _obj(raw, where)
         lists = {key: _names(r, key, where, "names") for key in ("weights", "inputs", "outputs")}
-        return cls(_get(r, "name", str, where), _get(r, "file", str, where), **lists)
+        per_token = _get(r, "per_token", bool, where) if "per_token" in r else False
+        return cls(_get(r, "name", str, where), _get(r, "file", str, where), **lists, per_token=per_token)
 
 
 @dataclass(frozen=True)

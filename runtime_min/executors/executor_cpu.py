@@ -146,6 +146,9 @@ class StagedExecutable:
     gives the stages a copy of it, so the caller's inputs are never changed.
     Construction raises BundleError as CpuExecutable does, per stage file.
 
+    A call with valid_len (prefill, chunk, verify) runs the per-token stages on the rows up to its
+    largest valid_len only (`_run_rows`).
+
     stage_seconds: None, or a dict that `run` then adds each stage's wall seconds to, keyed by
     stage name (`layers.3.ffn`): the benchmark's per-stage table (bench/bundle.py)."""
 
@@ -159,7 +162,10 @@ class StagedExecutable:
                 loaders[st.file] = _load_package(root / st.file, st.file, len(st.weights), len(st.inputs))
             else:  # a file shared by stages of one kind: each stage must fit its signature too
                 _check_arguments(loaders[st.file], f"stage {st.name} ({st.file})", len(st.weights), len(st.inputs))
-            self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs))
+            # a per-token stage runs on the valid rows alone where its outputs can be put back at the
+            # call's rows (`_run_rows`): the embedding's h is made from the tokens, so it runs whole
+            rows_only = st.per_token and bucket.min_seq_len > 0 and set(st.outputs) <= {*st.inputs, "logits"}
+            self._stages.append((loaders[st.file], [weights[n] for n in st.weights], st.inputs, st.outputs, rows_only))
         # copied before the stages run, so that the caller's tensors stay as they were (a Step keeps
         # its input state)
         self._written = written_in_place(bucket)
@@ -200,13 +206,19 @@ class StagedExecutable:
             env["last"] = env["valid_len"] - 1 if "valid_len" in env else torch.zeros_like(env["pos"])
         timed = self.stage_seconds
         tapped: dict[str, dict[str, torch.Tensor]] = {}
-        for st, (loader, weights, names_in, names_out) in zip(self.bucket.stages, self._stages):
+        # the token rows a call computes in its per-token stages: up to its largest valid_len
+        S = env["tokens"].size(1) if "tokens" in env else 0
+        rows = int(env["valid_len"].max()) if "valid_len" in env and S else S
+        for st, (loader, weights, names_in, names_out, per_token) in zip(self.bucket.stages, self._stages):
             if st.name in taps:
                 tapped[st.name] = {n: env[n] for n in names_in}
             if st.name in skip:
                 continue
             t0 = time.perf_counter() if timed is not None else 0.0
-            env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
+            if per_token and 0 < rows < S:
+                env.update(_run_rows(loader, weights, names_in, names_out, env, rows, S))
+            else:
+                env.update(zip(names_out, loader.boxed_run([*weights, *[env[n] for n in names_in]])))
             if timed is not None:
                 timed[st.name] = timed.get(st.name, 0.0) + time.perf_counter() - t0
         return [None if spec.name in unmade else env[spec.name] for spec in self.bucket.outputs], tapped
@@ -214,7 +226,29 @@ class StagedExecutable:
     def run_stage(self, name: str, values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Run the stage `name` alone on `values` (its wiring inputs by name) -> its outputs (the
         head at another position of the same stream). Raises KeyError for an unknown stage."""
-        for st, (loader, weights, names_in, _) in zip(self.bucket.stages, self._stages):
+        for st, (loader, weights, names_in, *_) in zip(self.bucket.stages, self._stages):
             if st.name == name:
                 return loader.boxed_run([*weights, *[values[n] for n in names_in]])
         raise KeyError(f"{self.bucket.file}: no stage {name!r}")
+
+
+def _run_rows(loader: Any, weights: list[torch.Tensor], names_in: Sequence[str], names_out: Sequence[str],
+              env: dict[str, torch.Tensor], rows: int, S: int) -> dict[str, torch.Tensor]:
+    """A per-token stage (schema.Stage.per_token) of a call of S token rows run on its first `rows`
+    (the largest valid_len: the rows past it are padding, which no valid position reads) -> its
+    outputs at S rows again: an output that is also a token-row input (the stream h, pre_mix)
+    keeps that input's padding rows as they came in, the head's logits at every position [B, S, V]
+    get zeros there. (A verify of 1 + 5 tokens runs at 8, the step of tiny's chunk graphs, so its
+    MoE halves, engram and head did a third more work than anything reads.) Each kept row has the
+    bits the full call gives it: a per-token stage computes a row from that row alone (the
+    kernels' batch invariance, docs/numerics.md)."""
+    cut = {n: env[n][:, :rows].contiguous() for n in names_in if env[n].dim() >= 2 and env[n].size(1) == S}
+    outs = loader.boxed_run([*weights, *[cut.get(n, env[n]) for n in names_in]])
+    full = {}
+    for n, t in zip(names_out, outs):
+        if n in cut:
+            t = torch.cat([t, env[n][:, rows:]], dim=1)
+        elif n == "logits" and t.dim() == 3:
+            t = torch.cat([t, t.new_zeros(t.size(0), S - rows, t.size(2))], dim=1)
+        full[n] = t
+    return full
