@@ -102,6 +102,13 @@ def test_numerics_side_by_side_table():
     out = io.StringIO()
     report_modes({**r, "modes": {"exact": r["modes"]["exact"]}}, Console(file=out))
     assert out.getvalue() == ""
+    # a host without a bf16 dot product (torch.mm bf16 below the fp32 FMA peak): no share of it
+    slow_mm = {k: {**v, "compiled": {**v["compiled"], "mm_bf16_gflops": 1.0}} for k, v in r["modes"].items()}
+    out = io.StringIO()
+    report_modes({**r, "modes": slow_mm}, Console(file=out, width=400))
+    text = out.getvalue()
+    assert "100 GFLOP/s = no bf16 GEMM on this host (torch.mm bf16 1, below the FMA peak), 50% of FMA peak" in text
+    assert "% of torch.mm bf16" not in text
 
 
 def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
