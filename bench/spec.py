@@ -12,7 +12,8 @@ On one random prompt (runtime_min/core/speculative.py, runtime_min/core/runner.p
 - drafter: one DSpark draft of a block from the checkpoint's mtp.* weights (--checkpoint) or the
   bundle's own (`compile --speculative dspark`), EAGER in the golden's exact numerics
   (graphs/dspark.py; not compiled: an upper bound of the drafter's cost), and again in GEMM order
-  "fused" (fp32 GEMMs, what `run` and `serve` draft with where the bundle has no draft bucket),
+  "fused" (fp32 GEMMs, the main and Markov heads through the cpu kernels on the bundle's head
+  layout: what `run` and `serve` draft with on the cpu target),
   and the bundle's draft bucket where it has one (runtime_min/core/drafter.py: what they draft with then);
 - projected: tokens/s at mean acceptance lengths 2.5 and 3.0 (the published figures, measured
   with V4.1's trained drafter; random weights accept ~nothing) against plain decoding, per step
@@ -97,7 +98,8 @@ def measure(bundle: Path, checkpoint: Path | None, k: int, tokens: int, repeats:
 
     def draft_seconds(order: str) -> float | None:  # one drafter at a time: the golden's holds float64 copies
         drafter = (load_drafter(checkpoint, cfg, r.max_capacity, order) if checkpoint is not None
-                   else bundle_drafter(r.bundle, cfg, r.max_capacity, order))
+                   else bundle_drafter(r.bundle, cfg, r.max_capacity, order,
+                                       weights=r.weights if order == "fused" else None))
         if drafter is None:
             return None
         v = r.verify_prefill([prompt], target.target_layers)

@@ -374,13 +374,15 @@ def _drafter(bundle: Path, session, k: int, draft_checkpoint: Optional[Path]):
     if draft_checkpoint is not None:
         return load_drafter(draft_checkpoint, cfg, session.max_capacity, order="fused")
     # the cpu target's draft bucket dequantises its FP8/FP4 projections every call, where the eager
-    # drafter holds fp32 copies: measured 0.42 s against 0.19 s a draft on tiny, so cpu drafts eagerly
+    # drafter holds fp32 copies (and its head runs through the cpu kernel on the bundle's own head
+    # layout): measured 0.61 s against 0.09 s a draft on tiny, so cpu drafts eagerly
     if session.manifest.target != "cpu" and any(b.kind == "draft" for b in session.manifest.buckets):
         from dsneuron.runtime_min.core.drafter import CompiledDrafter
 
         return CompiledDrafter(session.runner)
     try:
-        return bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused")
+        return bundle_drafter(session.runner.bundle, cfg, session.max_capacity, order="fused",
+                              weights=session.runner.weights)
     except ValueError as e:
         raise BundleError(f"{bundle}: its DSpark drafter does not load: {e}") from None
 

@@ -44,7 +44,7 @@ from dsneuron.kernels_nki.hc_mean import main_hidden_of
 
 from .config import ModelConfig
 from .context import Capture
-from .dispatch import fp8_qdq
+from .dispatch import fp8_qdq, kernel_gemm
 from .mhc import hc_post, hc_pre
 from .model import Block, Linear, RMSNorm, Transformer, all_head_logits, embed_stream
 from .numerics import gemm_order, kernel_numerics
@@ -122,6 +122,13 @@ class DSpark(nn.Module):
     """
 
     order: str = "ascending"
+    #: the cpu kernels' numerics of a main head held in its kernel layout only (`drafter_from_tensors`
+    #: with `head_kernel`): the bundle's, so the head runs as the bundle's own head stage does
+    head_numerics: str = "exact"
+    #: the Markov head's bf16 values as cpu kernel panels (`drafter_from_tensors` with `head_kernel`),
+    #: read by the kernel at every drafted token instead of an fp32 GEMM (6 ms a token on tiny)
+    markov_kernel_w: torch.Tensor | None = None
+    markov_kernel_w_scale: torch.Tensor | None = None
 
     def __init__(self, model: Transformer, max_seq_len: int):
         super().__init__()
@@ -314,7 +321,11 @@ class DSpark(nn.Module):
         prev, tokens, rows, embeds = token, [], [], []
         for i in range(self.block):
             e = self.markov_embed[prev]  # bf16 [B, r]
-            row = logits[:, i] + linear_fp32(e.float(), self.markov_head, self.order)
+            if self.markov_kernel_w is not None:  # its bf16 values in cpu kernel panels (drafter_from_tensors)
+                bias = kernel_gemm(e.float(), self, "markov_", "bf16", self.cfg.vocab_size)
+            else:
+                bias = linear_fp32(e.float(), self.markov_head, self.order)
+            row = logits[:, i] + bias
             prev = pick(i, row)
             tokens.append(prev)
             rows.append(row)
@@ -329,8 +340,13 @@ class DSpark(nn.Module):
         """Draft a block from position pos (int64 [B]; main_kv at pos already seeded): token int64
         [B] is x_{pos+1}, the first block token (forward_spec / DSparkBlock.forward_head).
         temperature 0: each draft is the argmax; else drawn from softmax(logits / T) with `generator`."""
+        pick = lambda i, row: draw(row, temperature, generator)  # noqa: E731
+        if self._main[0].head.weight is None:  # the head in its cpu kernel layout only
+            with kernel_numerics(self.head_numerics):
+                x, logits = self.block_logits(cache.rings, token, pos, head_order="kernel")
+                return self.markov(x, logits, token, pick)
         x, logits = self.block_logits(cache.rings, token, pos)
-        return self.markov(x, logits, token, lambda i, row: draw(row, temperature, generator))
+        return self.markov(x, logits, token, pick)
 
 
 def draft_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -388,25 +404,38 @@ def load_drafter(checkpoint, cfg: ModelConfig, max_seq_len: int, order: str = "a
 DRAFTER_MAIN_WEIGHTS = ("embed.weight", "head.weight")
 
 
-def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int, order: str = "ascending") -> DSparkDrafter | None:
+def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int, order: str = "ascending",
+                   weights: dict[str, torch.Tensor] | None = None) -> DSparkDrafter | None:
     """The drafter a bundle compiled with `--speculative dspark` stores (a runtime_min/bundle/bundle.py
     Bundle: its `speculative` and `stored_tensors`), in GEMM `order` (`DSpark`); None for a bundle
-    that stores none. Raises ValueError as `drafter_from_tensors` for stored tensors that do not
-    make the drafter."""
+    that stores none. weights: the loaded bundle's weights (a Runner's `weights`, the prepare
+    recipes applied): where they hold the head's cpu kernel layout (`head.kernel_w`, a cpu bundle),
+    the drafter's head runs through the cpu kernel on it in the bundle's numerics, as the bundle's
+    head stage does, instead of on an fp32 copy of head.weight (tiny: a 530 MB fp32 GEMM of 110 ms
+    a draft on a 2-core AMD EPYC, 2026-12-07). Raises ValueError as `drafter_from_tensors` for
+    stored tensors that do not make the drafter."""
     if bundle.speculative != "dspark":
         return None
+    kernel = None
+    if weights is not None and "head.kernel_w" in weights:
+        kernel = {n: weights[f"head.{n}"] for n in ("kernel_w", "kernel_w_scale")}
     return drafter_from_tensors(bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS),
-                                cfg, max_seq_len, order)
+                                cfg, max_seq_len, order, head_kernel=kernel,
+                                head_numerics=bundle.manifest.compile_config.get("numerics", "exact"))
 
 
 def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int,
-                         order: str = "ascending") -> DSparkDrafter:
+                         order: str = "ascending", head_kernel: dict[str, torch.Tensor] | None = None,
+                         head_numerics: str = "exact") -> DSparkDrafter:
     """The DSpark drafter built on the main model's embedding and head alone (no main layers: what a
     bundle's runtime needs beside its executables). tensors: checkpoint names and formats, every
     `mtp.*` tensor plus `embed.weight` (bf16 [V, D]) and `head.weight` (bf16 or fp32 [V, D], held
     fp32 as the reference promotes it), e.g. from a checkpoint or a bundle compiled with
-    `--speculative dspark`; order: its GEMM order (`DSpark`). Raises ValueError naming a missing or
-    misshapen tensor, or a bad order (`DSpark.from_checkpoint`)."""
+    `--speculative dspark`; order: its GEMM order (`DSpark`). head_kernel: {"kernel_w",
+    "kernel_w_scale"}, the head prepared for the cpu kernels (graphs/kernel_weights.py): the head
+    then holds only those and drafts through the kernel in numerics `head_numerics` (head.weight
+    is not read). Raises ValueError naming a missing or misshapen tensor, or a bad order
+    (`DSpark.from_checkpoint`)."""
     missing = [n for n in DRAFTER_MAIN_WEIGHTS if n not in tensors]
     if missing:
         raise ValueError(f"DSpark drafter: no tensor {missing[0]!r} (the main model's {missing[0].split('.')[0]})")
@@ -414,10 +443,25 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max
     main.cfg = cfg
     main.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=tensors["embed.weight"], _freeze=True)
     main.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
-    main.head.weight = nn.Parameter(tensors["head.weight"].float(), requires_grad=False)
+    if head_kernel is None:
+        main.head.weight = nn.Parameter(tensors["head.weight"].float(), requires_grad=False)
+    else:
+        del main.head._parameters["weight"]
+        main.head.weight = None
+        for n, t in head_kernel.items():
+            main.head.register_buffer(n, t, persistent=False)
     mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
     with torch.inference_mode():
-        return DSparkDrafter(DSpark.from_checkpoint(main, mtp, max_seq_len, order))
+        dspark = DSpark.from_checkpoint(main, mtp, max_seq_len, order)
+    dspark.head_numerics = head_numerics
+    if head_kernel is not None:
+        markov = tensors[f"mtp.{cfg.n_mtp_layers - 1}.markov_head.head.weight"]
+        if markov.dtype == torch.bfloat16:  # as stored: the panels hold the values the fp32 copy holds
+            from dsneuron.kernels_nki.cpu_gemm import prepare_weight
+
+            prepared = prepare_weight("bf16", markov)
+            dspark.markov_kernel_w, dspark.markov_kernel_w_scale = prepared["w"], prepared["w_scale"]
+    return DSparkDrafter(dspark)
 
 
 # ----------------------------------------------------------------------------------------- the compiled step

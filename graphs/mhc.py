@@ -36,12 +36,15 @@ def hc_split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tens
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
         return i + 1, c / (c.sum(dim=-2, keepdim=True) + eps)
 
-    if SPELLING.neuron:  # torch-mlir lowers no loop op to StableHLO (torch.prim.Loop): unrolled
+    # torch-mlir lowers no loop op to StableHLO (torch.prim.Loop), and eagerly the loop op is a
+    # torch.compile region (2-3 s to import dynamo and compile at its first call: the eager golden
+    # and drafter paid it, then ~4x the loop's time a call): unrolled there, the same ATen ops
+    if SPELLING.neuron or not (torch.compiler.is_exporting() or torch.compiler.is_compiling()):
         for i in range(iters - 1):
             _, comb = normalise(i, comb)
         return pre, post, comb
-    # a loop op, not an unrolled Python loop: the rounds would be a fifth of the exported graph's
-    # nodes, and the compile time grows with the node count
+    # exported for the cpu target: a loop op, not an unrolled Python loop: the rounds would be a
+    # fifth of the exported graph's nodes, and the compile time grows with the node count
     _, comb = while_loop(more, normalise, (torch.zeros((), dtype=torch.int64), comb))
     return pre, post, comb
 

@@ -492,3 +492,21 @@ def test_decode_moe_gathers_only_the_routed_experts(golden, order):
             finally:
                 for lin, c in zip(linears, cached):
                     lin.cached = c
+
+
+def test_sinkhorn_is_a_loop_op_when_exported_and_the_same_bits_eagerly():
+    """Exported (the cpu target's graphs) the Sinkhorn rounds stay one while_loop node; eagerly they
+    run as plain ATen ops (no torch.compile region: graphs/mhc.py), with the exported program's bits."""
+    g = torch.Generator().manual_seed(4)
+    hc, eps = 4, 1e-6
+    mixes = torch.randn(3, 50, 24, generator=g) * 2
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g)
+
+    class Split(torch.nn.Module):
+        def forward(self, m):
+            return mhc.hc_split_sinkhorn(m, scale, base, hc, 20, eps)
+
+    program = torch.export.export(Split(), (mixes,), strict=False)
+    assert "while_loop" in str(program.graph)
+    eager = Split()(mixes)
+    assert all(torch.equal(a, b) for a, b in zip(program.module()(mixes), eager))

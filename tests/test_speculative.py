@@ -838,6 +838,40 @@ def test_drafter_from_tensors_is_the_checkpoints_drafter(micro_golden, micro_che
     assert bundle_drafter(SimpleNamespace(speculative="none"), cfg, 64) is None
 
 
+@pytest.mark.parametrize("numerics, tol", [("exact", 1e-6), ("fast", 1e-3)])
+def test_drafter_with_the_kernel_head_proposes_as_the_fp32_one(micro_golden, micro_checkpoint, numerics, tol):
+    """What run and serve draft with on a cpu bundle (graphs/dspark.py bundle_drafter with the
+    runner's weights): the main head and the Markov head read through the cpu kernels in the
+    bundle's numerics from their bf16 panels, no fp32 copy of the head held; the proposal q is the
+    fp32 drafter's within the kernels' rounding (fast: activations rounded to bf16), the greedy
+    drafts the same tokens."""
+    from golden_target import GoldenTarget
+    from dsneuron.graphs.checkpoint import load_checkpoint
+    from dsneuron.graphs.dspark import DRAFTER_MAIN_WEIGHTS, drafter_from_tensors
+    from dsneuron.graphs.engram import engram_layout
+    from dsneuron.kernels_nki.cpu_gemm import prepare_weight
+
+    cfg = micro_golden.cfg
+    ckpt = load_checkpoint(micro_checkpoint, cfg, engram_layout(cfg).num_embeddings)
+    tensors = {n: t for n, t in ckpt.items() if n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS}
+    assert tensors["head.weight"].dtype == torch.bfloat16
+    head = {f"kernel_{k}": t for k, t in zip(("w", "w_scale"), prepare_weight("bf16", tensors["head.weight"]).values())}
+    fused = drafter_from_tensors(tensors, cfg, micro_golden.max_seq_len, order="fused")
+    kernel = drafter_from_tensors(tensors, cfg, micro_golden.max_seq_len, order="fused", head_kernel=head,
+                                  head_numerics=numerics)
+    d = kernel.dspark
+    assert d._main[0].head.weight is None and d.markov_kernel_w is not None and d.head_numerics == numerics
+    v = GoldenTarget(micro_golden).prefill([PROMPT])
+    start, count = torch.tensor([0]), v.count
+    x, pos = v.logits[:, -1].argmax(-1), count - 1
+    a = fused.seed(fused.start(1), v.main_hidden, start, count)
+    b = kernel.seed(kernel.start(1), v.main_hidden, start, count)
+    assert torch.equal(fused.propose(a, x, pos, K, 0.0, None)[0], kernel.propose(b, x, pos, K, 0.0, None)[0])
+    _, qa = fused.propose(a, x, pos, K, 1.0, torch.Generator().manual_seed(3))
+    _, qb = kernel.propose(b, x, pos, K, 1.0, torch.Generator().manual_seed(3))
+    assert (qa[:, 0] - qb[:, 0]).abs().max() < tol
+
+
 @pytest.mark.slow
 def test_rejection_sampling_on_micro_keeps_the_models_distribution(micro_golden, drafter, one_thread):
     """On micro's own distributions: p from a golden verify of [x, d_1, d_2] (temperature 0.3), q
