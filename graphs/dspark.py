@@ -129,6 +129,10 @@ class DSpark(nn.Module):
     #: read by the kernel at every drafted token instead of an fp32 GEMM (6 ms a token on tiny)
     markov_kernel_w: torch.Tensor | None = None
     markov_kernel_w_scale: torch.Tensor | None = None
+    #: attend with the cpu target's C++ kernel (kernels_nki/cpu_attn.py: fp32 fma chains, its own
+    #: exp) instead of the golden's reference op, whose first eager call (a Python custom op)
+    #: imports torch._dynamo: 2.3 s at a process's first draft (`drafter_from_tensors` with `head_kernel`)
+    cpu_attention: bool = False
 
     def __init__(self, model: Transformer, max_seq_len: int):
         super().__init__()
@@ -280,7 +284,8 @@ class DSpark(nn.Module):
         n = torch.clamp(pos + 1, max=W).unsqueeze(1)  # [B,1]
         idx = torch.where(j < n, j, torch.where(j < n + K, W + j - n, -1))
         idx = idx.unsqueeze(1).expand(B, K, W + K).to(torch.int32).contiguous()
-        o = torch.ops.dsneuron.sparse_attn(q, keys, a.attn_sink, idx, hd ** -0.5)
+        attn = torch.ops.dsneuron.sparse_attn_cpu if self.cpu_attention else torch.ops.dsneuron.sparse_attn
+        o = attn(q, keys, a.attn_sink, idx, hd ** -0.5)
         return a.output(o, cos, sin)
 
     def _stage(self, stage: Block, h: torch.Tensor, pre_mix: torch.Tensor, ring: torch.Tensor, pos: torch.Tensor,
@@ -455,6 +460,9 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max
         dspark = DSpark.from_checkpoint(main, mtp, max_seq_len, order)
     dspark.head_numerics = head_numerics
     if head_kernel is not None:
+        from dsneuron.kernels_nki import cpu_attn  # noqa: F401  (loads the C++ op and its fake)
+
+        dspark.cpu_attention = True
         markov = tensors[f"mtp.{cfg.n_mtp_layers - 1}.markov_head.head.weight"]
         if markov.dtype == torch.bfloat16:  # as stored: the panels hold the values the fp32 copy holds
             from dsneuron.kernels_nki.cpu_gemm import prepare_weight

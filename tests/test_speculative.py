@@ -842,7 +842,8 @@ def test_drafter_from_tensors_is_the_checkpoints_drafter(micro_golden, micro_che
 def test_drafter_with_the_kernel_head_proposes_as_the_fp32_one(micro_golden, micro_checkpoint, numerics, tol):
     """What run and serve draft with on a cpu bundle (graphs/dspark.py bundle_drafter with the
     runner's weights): the main head and the Markov head read through the cpu kernels in the
-    bundle's numerics from their bf16 panels, no fp32 copy of the head held; the proposal q is the
+    bundle's numerics from their bf16 panels, no fp32 copy of the head held, the attention on the
+    cpu target's C++ kernel; the proposal q is the
     fp32 drafter's within the kernels' rounding (fast: activations rounded to bf16), the greedy
     drafts the same tokens."""
     from golden_target import GoldenTarget
@@ -861,6 +862,7 @@ def test_drafter_with_the_kernel_head_proposes_as_the_fp32_one(micro_golden, mic
                                   head_numerics=numerics)
     d = kernel.dspark
     assert d._main[0].head.weight is None and d.markov_kernel_w is not None and d.head_numerics == numerics
+    assert d.cpu_attention and not fused.dspark.cpu_attention  # the C++ attention kernel, not the golden's op
     v = GoldenTarget(micro_golden).prefill([PROMPT])
     start, count = torch.tensor([0]), v.count
     x, pos = v.logits[:, -1].argmax(-1), count - 1
