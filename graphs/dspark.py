@@ -45,6 +45,7 @@ from dsneuron.kernels_nki.hc_mean import main_hidden_of
 from .config import ModelConfig
 from .context import Capture
 from .dispatch import fp8_qdq, kernel_gemm
+from .kernel_weights import attach_kernel_weights, kernel_recipes
 from .mhc import hc_post, hc_pre
 from .model import Block, Linear, RMSNorm, Transformer, all_head_logits, embed_stream
 from .numerics import gemm_order, kernel_numerics
@@ -426,7 +427,7 @@ def bundle_drafter(bundle, cfg: ModelConfig, max_seq_len: int, order: str = "asc
         kernel = {n: weights[f"head.{n}"] for n in ("kernel_w", "kernel_w_scale")}
     return drafter_from_tensors(bundle.stored_tensors(lambda n: n.startswith("mtp.") or n in DRAFTER_MAIN_WEIGHTS),
                                 cfg, max_seq_len, order, head_kernel=kernel,
-                                head_numerics=bundle.manifest.compile_config.get("numerics", "exact"))
+                                head_numerics=bundle.manifest.numerics)
 
 
 def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max_seq_len: int,
@@ -450,11 +451,9 @@ def drafter_from_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, max
     main.head = Linear(cfg.dim, cfg.vocab_size, "fp32")
     if head_kernel is None:
         main.head.weight = nn.Parameter(tensors["head.weight"].float(), requires_grad=False)
-    else:
-        del main.head._parameters["weight"]
-        main.head.weight = None
-        for n, t in head_kernel.items():
-            main.head.register_buffer(n, t, persistent=False)
+    else:  # as a cpu compile holds it: the prepared panels as buffers, the weight dropped
+        attach_kernel_weights(main, {f"head.{n}": t for n, t in head_kernel.items()},
+                              kernel_recipes(main, {"head.weight": tensors["head.weight"]}), drop=True)
     mtp = {n: t for n, t in tensors.items() if n.startswith("mtp.")}
     with torch.inference_mode():
         dspark = DSpark.from_checkpoint(main, mtp, max_seq_len, order)
