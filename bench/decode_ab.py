@@ -1,6 +1,7 @@
 """Two bundles' decode steps side by side in one process: old against new on the same host.
 
     python -m dsneuron.bench.decode_ab OLD NEW [--rounds 9] [--steps 24] [--position 300] [--old-env NAME=VALUE]
+                                       [--prefill N [N ...]] [--verify K]
 
 For every decode batch size both bundles compile, each round runs --steps decode steps of each
 bundle (the two in alternating order, A B then B A), chaining the state from --position on
@@ -9,6 +10,10 @@ executable call alone). Prints, per batch size, the median over the rounds for e
 the ratio NEW / OLD, and whether the two gave the same logits bit for bit on the same steps.
 Wall times on a shared 2-core machine drift by 10-30% between rounds; alternating the two in
 every round is what keeps the ratio steady, so the ratio from one run is the figure to quote.
+--prefill N times, in the same alternating rounds, the prefill of one random N-token prompt (one
+call a round), and --verify K a speculative verify of 1 + K tokens after a 12-token prompt
+(`Runner.verify`, the drafter's target layers tapped; the bundles' model must have a DSpark
+drafter); each row also says whether the two gave the same logits.
 --old-env NAME=VALUE sets an environment variable while the OLD side runs and unsets it while NEW
 runs: with the same bundle twice, an A/B of a kernel switch read at each call, such as
 DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding). A
@@ -23,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,6 +48,37 @@ def decode_round(runner, batch: int, steps: int, position: int) -> tuple[float, 
         seconds.append(step.seconds)
         logits.append(step.logits)
     return statistics.median(seconds), logits
+
+
+def call_round(call) -> tuple[float, object]:
+    """One timed call of `call` (a prefill or a verify) -> (seconds, its logits)."""
+    t0 = time.perf_counter()
+    logits = call()
+    return time.perf_counter() - t0, logits
+
+
+def prefill_call(runner, n: int):
+    """A call that prefills one random n-token prompt (seed 0) on `runner` -> its logits [1, V]."""
+    import torch
+
+    prompt = torch.randint(3, min(runner.vocab_size, 128000), (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    return lambda: runner.prefill([prompt]).logits
+
+
+def verify_call(runner, k: int):
+    """A call that verifies 1 + k random tokens after a 12-token prompt on `runner` -> its logits
+    [1, 1 + k, V] (bench/spec.py's verify)."""
+    import torch
+
+    from dsneuron.runtime_min.core import speculative as sp
+
+    target = sp.RunnerTarget(runner)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, min(runner.vocab_size, 128000), (12,), generator=g).tolist()
+    state = runner.prefill([prompt]).state
+    toks = torch.randint(3, min(runner.vocab_size, 128000), (1, 1 + k), generator=g)
+    pos, count = torch.tensor([len(prompt)]), torch.tensor([1 + k])
+    return lambda: runner.verify(toks, pos, count, state, target.target_layers).logits
 
 
 @contextmanager
@@ -80,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--position", type=int, default=300)
     ap.add_argument("--old-env", default=None, help="NAME=VALUE set while the OLD side runs")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time a prefill of")
+    ap.add_argument("--verify", type=int, default=0, help="K: time a verify of 1 + K tokens (0: none)")
     args = ap.parse_args(argv)
     name = value = None
     if args.old_env is not None:
@@ -99,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"decode step, {args.rounds} rounds of {args.steps} steps from position {args.position}")
     for col in ("batch", "old ms", "new ms", "new / old", "same logits"):
         table.add_column(col)
+    calls = [(f"prefill {n}", [prefill_call(r, n) for r in runners]) for n in args.prefill]
+    if args.verify:
+        calls.append((f"verify 1 + {args.verify}", [verify_call(r, args.verify) for r in runners]))
     for batch in batches:
         for r, env in zip(runners, envs):  # loads the executables
             with environment(*env):
@@ -114,6 +156,20 @@ def main(argv: list[str] | None = None) -> None:
             same = same and all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
         old, new = (statistics.median(t) * 1e3 for t in times)
         table.add_row(str(batch), f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
+    for label, pair in calls:
+        for call, env in zip(pair, envs):  # loads the executables
+            with environment(*env):
+                call()
+        times, same = [[], []], True
+        for k in range(args.rounds):
+            got = {}
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+                with environment(*envs[i]):
+                    seconds, got[i] = call_round(pair[i])
+                times[i].append(seconds)
+            same = same and torch.equal(got[0], got[1])
+        old, new = (statistics.median(t) * 1e3 for t in times)
+        table.add_row(label, f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
     Console().print(table)
 
 

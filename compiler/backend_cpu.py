@@ -24,6 +24,15 @@ Flags (measured on this 2-core host):
 - bf16 rounding points kept (`emulate_precision_casts`): without it Inductor fuses chains of bf16
   ops in fp32 and skips the intermediate roundings the reference makes (measured on the inlined
   kernels: 24-33% of elements one bf16 step off; micro logits cosine 0.73 against the golden);
+- the glue kernels run on every thread (`cpp.dynamic_threads`, `cpp.threads` = the compiling
+  process's torch thread count, `cpp.min_chunk_size`): Inductor decides a kernel's OpenMP loops
+  from the thread count it sees, and the compile workers run torch single-threaded
+  (compiler/staged.py), so every kernel had been generated serial (in perf, the generated kernels
+  took ~16% of a tiny verify's time on one core while the other waited; on every thread: prefill
+  715 0.94x, a verify of 1 + 5 0.93-0.98x, the same bits). A loop nest goes parallel from
+  threads x 4096 elements, below which an OpenMP fork costs about what it saves. A reduction is
+  never split across threads (`rows_to_threads`): each output element is reduced by one thread in
+  one order, so the bits do not depend on the thread count;
 - no lower-bound check of dynamic sizes at run time (`aot_inductor.check_lowerbound`; the upper
   bound is still checked with AOTI_RUNTIME_CHECK_INPUTS=1). The per-token executables take 1..N
   tokens and are exported size-obliviously (compiler/export.py `size_oblivious`: the export fails
@@ -38,11 +47,13 @@ extensions; the manifest records them (runtime_min/bundle/bundle.py checks them)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -55,6 +66,8 @@ DEFAULT_FLAGS: dict[str, Any] = {
     "aot_inductor.compile_wrapper_opt_level": "O0",
     "aot_inductor.enable_line_tables": False,
     "emulate_precision_casts": True,
+    "cpp.dynamic_threads": True,
+    "cpp.min_chunk_size": 4096,
     "cpp.simdlen": 256,
     "max_autotune": False,
 }
@@ -65,8 +78,10 @@ INPUT_VIEWS = {torch.float8_e8m0fnu: torch.uint8}
 
 
 def effective_flags(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """DEFAULT_FLAGS updated with `overrides` (Inductor config keys), sorted by key."""
-    flags = dict(DEFAULT_FLAGS)
+    """DEFAULT_FLAGS plus `cpp.threads` (this process's torch thread count: the thread count the
+    runtime uses by default, which Inductor's choice of parallel loops assumes), updated with
+    `overrides` (Inductor config keys), sorted by key."""
+    flags = {**DEFAULT_FLAGS, "cpp.threads": torch.get_num_threads()}
     flags.update(overrides or {})
     return dict(sorted(flags.items()))
 
@@ -87,6 +102,42 @@ def warm_up() -> threading.Thread:
     return thread
 
 
+_PATCH_LOCK = threading.Lock()  # Inductor's class attributes, patched by one compile at a time
+
+
+@contextlib.contextmanager
+def rows_to_threads():
+    """Inductor's cpp codegen, patched for the duration of a compile in two choices it has no
+    option for:
+
+    - a loop nest's parallel loops are its outer (non-reduction) loops, never a reduction loop: a
+      reduction split across threads adds per-thread partial sums, whose grouping depends on the
+      thread count at run time, where the cpu target's results may not (docs/numerics.md);
+    - a nest with fewer than `cpp.threads x cpp.min_chunk_size` elements (at the trace's sizes)
+      stays serial: with `cpp.dynamic_threads` Inductor otherwise makes every nest parallel however
+      small, and each OpenMP fork of a decode step's ~200 small kernels costs more than it saves.
+    """
+    from torch._inductor import config
+    from torch._inductor.codegen.cpp import CppKernel, LoopNest, ParallelDepth
+
+    widest, decide = LoopNest.max_parallel_depth, CppKernel.decide_parallel_depth
+
+    def outer_loops_only(nest: LoopNest) -> ParallelDepth:
+        depth = widest(nest)
+        if depth.parallel_depth and nest.loops[depth.start_depth].is_reduction:
+            return ParallelDepth(parallel_depth=0, start_depth=0)
+        return depth
+
+    def large_nests_only(kernel: CppKernel, depth: ParallelDepth, threads: int) -> ParallelDepth:
+        if kernel.size_hint() < threads * config.cpp.min_chunk_size:
+            return ParallelDepth(parallel_depth=0, start_depth=depth.start_depth)
+        return decide(kernel, depth, threads)
+
+    with _PATCH_LOCK, mock.patch.object(LoopNest, "max_parallel_depth", outer_loops_only), \
+            mock.patch.object(CppKernel, "decide_parallel_depth", large_nests_only):
+        yield
+
+
 def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[str, Any]) -> None:
     """AOTInductor-compile `program` into the package file `out` (written whole, then renamed).
 
@@ -99,6 +150,7 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
 
     with tempfile.TemporaryDirectory(prefix=f".{out.stem}.", dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        with quiet_treespec_warning(), size_oblivious(), shared_runtime(Path(cache_dir()) / "dsneuron-aoti-runtime"):
+        with quiet_treespec_warning(), size_oblivious(), rows_to_threads(), \
+                shared_runtime(Path(cache_dir()) / "dsneuron-aoti-runtime"):
             torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
         os.replace(built, out)

@@ -112,15 +112,17 @@ def test_numerics_side_by_side_table():
 
 
 def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
-    """bench/decode_ab.py on the micro bundle against itself: one row for its decode batch, both
-    sides timed, the same logits on the same steps."""
+    """bench/decode_ab.py on the micro bundle against itself: one row for its decode batch and one
+    for a prefill, both sides timed, the same logits on the same steps."""
     from dsneuron.bench.decode_ab import decode_round, main
 
-    main([str(micro_bundle.path), str(micro_bundle.path), "--rounds", "2", "--steps", "3", "--position", "5"])
+    main([str(micro_bundle.path), str(micro_bundle.path), "--rounds", "2", "--steps", "3", "--position", "5",
+          "--prefill", "5"])
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("1 "))
-    cells = [c.strip() for c in row.strip("│").split("│")]
-    assert cells[0] == "1" and float(cells[1]) > 0 and float(cells[2]) > 0 and cells[4] == "yes", out
+    for label in ("1 ", "prefill 5 "):
+        row = next(line for line in out.splitlines() if line.strip("│ ").startswith(label))
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert float(cells[1]) > 0 and float(cells[2]) > 0 and cells[4] == "yes", out
     seconds, logits = decode_round(Session.load(micro_bundle.path).runner, 1, 3, 5)
     assert seconds > 0 and len(logits) == 3 and not all(logits[0].equal(x) for x in logits[1:])
     # the same bundle with the exact kernels' scale folding off on the OLD side: the same logits

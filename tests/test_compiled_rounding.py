@@ -1,7 +1,7 @@
 """The model's rounding points survive the cpu backend's compiler.
 
 The golden model is eager PyTorch; the bundle is the same expressions compiled by Inductor with the
-cpu backend's flags (compiler/backend_cpu.py DEFAULT_FLAGS) and the custom ops inlined
+cpu backend's flags (compiler/backend_cpu.py effective_flags) and the custom ops inlined
 (compiler/lower.py). Inductor may lower an expression differently at one shape than at another: a
 bf16 einsum with one row (every decode step) became a kernel that rounds inside the sum, and 40% of
 wo_a's outputs moved by a bf16 step or more. These tests compile single stages at decode shapes and
@@ -14,39 +14,48 @@ import numpy as np
 import pytest
 import torch
 
-from dsneuron.compiler.backend_cpu import DEFAULT_FLAGS
+from dsneuron.compiler.backend_cpu import effective_flags, rows_to_threads
 from dsneuron.compiler.lower import inline_mode
 from dsneuron.graphs.model import RMSNorm
 from dsneuron.graphs.numerics import gemm_order, ieee_sqrt
-from dsneuron.graphs.quant import act_quant_qdq
+from dsneuron.graphs.quant import quantize_state, window_format
 from dsneuron.graphs.steps import init_state
 from dsneuron.kernels_nki.mqa_logits_ref import mqa_logits_bf16_ref
 
 
 class _Fn(torch.nn.Module):
-    def __init__(self, fn):
+    """fn as a module; `modules` are ones fn calls, registered so that export's tracer finds them."""
+
+    def __init__(self, fn, modules=()):
         super().__init__()
         self.fn = fn
+        self.called = torch.nn.ModuleList(modules)
 
     def forward(self, *args):
         return self.fn(*args)
 
 
-def _exported(fn, *args) -> torch.export.ExportedProgram:
+def _exported(fn, *args, modules=()) -> torch.export.ExportedProgram:
     """fn traced at args' shapes as the cpu backend does (non-strict torch.export, custom ops inlined)."""
     torch._dynamo.reset()
     with inline_mode("cpu"):
-        return torch.export.export(_Fn(fn), args, strict=False)
+        return torch.export.export(_Fn(fn, modules), args, strict=False)
 
 
 def _inductor(program: torch.export.ExportedProgram):
-    """The exported program compiled by Inductor with the cpu backend's flags."""
-    return torch.compile(program.module(), backend="inductor", options=dict(DEFAULT_FLAGS), fullgraph=True)
+    """The exported program compiled by Inductor with the cpu backend's flags and loop choices
+    (torch.compile compiles at the first call, so every call runs under `rows_to_threads`)."""
+    compiled = torch.compile(program.module(), backend="inductor", options=effective_flags(), fullgraph=True)
+
+    def call(*args):
+        with rows_to_threads():
+            return compiled(*args)
+    return call
 
 
-def _compiled(fn, *args):
+def _compiled(fn, *args, modules=()):
     """`_exported`, then `_inductor`."""
-    return _inductor(_exported(fn, *args))
+    return _inductor(_exported(fn, *args, modules=modules))
 
 
 def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -65,7 +74,8 @@ def test_compiled_decode_attention_equals_eager(micro_golden):
     for L in (0, 1):
         attn = model.layers[L].attn
         state = init_state(cfg, 1, model.max_seq_len)  # empty compressed caches: the window carries it
-        ring = act_quant_qdq(_bf16(1, cfg.window_size, cfg.head_dim, seed=L, scale=0.3), 32)
+        ring = quantize_state(_bf16(1, cfg.window_size, cfg.head_dim, seed=L, scale=0.3),
+                              window_format(cfg.fp8_block_size))  # the state's bytes
         x = _bf16(1, 1, cfg.dim, seed=10 + L)
 
         def step(x: torch.Tensor, ring: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -73,7 +83,7 @@ def test_compiled_decode_attention_equals_eager(micro_golden):
             return attn(x, ctx, dict(state, **{f"layers.{L}.window_kv": ring}), {}, {})
 
         with gemm_order("fused"):
-            compiled = _compiled(step, x, ring, torch.tensor([0]))
+            compiled = _compiled(step, x, ring, torch.tensor([0]), modules=[attn])
             for pos in (3, 20):  # ring still filling; ring full and wrapped
                 p = torch.tensor([pos])
                 got, want = compiled(x, ring, p), step(x, ring, p)
