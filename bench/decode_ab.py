@@ -13,7 +13,8 @@ every round is what keeps the ratio steady, so the ratio from one run is the fig
 --prefill N times, in the same alternating rounds, the prefill of one random N-token prompt (one
 call a round), and --verify K a speculative verify of 1 + K tokens after a 12-token prompt
 (`Runner.verify`, the drafter's target layers tapped; the bundles' model must have a DSpark
-drafter); each row also says whether the two gave the same logits.
+drafter); each row also says whether the two gave the same logits. A prompt length or verify
+the bundles refuse exits 2 with their reason before anything is timed.
 --old-env NAME=VALUE sets an environment variable while the OLD side runs and unsets it while NEW
 runs: with the same bundle twice, an A/B of a kernel switch read at each call, such as
 DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding). A
@@ -125,10 +126,21 @@ def main(argv: list[str] | None = None) -> None:
         name, eq, value = args.old_env.partition("=")
         if not eq or not name:
             raise SystemExit(f"--old-env must be NAME=VALUE with a nonempty NAME, got {args.old_env!r}")
+    for flag, n, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--verify", args.verify, 0),
+                         *(("--prefill", n, 1) for n in args.prefill)):
+        if n < low:
+            raise SystemExit(f"{flag} must be >= {low}, got {n}")
     envs = [(name, value), (name, None)]  # OLD with the variable, NEW without it
     try:
         runners = [Runner.load(args.old), Runner.load(args.new)]
-    except UserError as e:  # a missing or unusable bundle: its one-line reason, exit code 2 as the CLI's
+        calls = [(f"prefill {n}", [prefill_call(r, n) for r in runners]) for n in args.prefill]
+        if args.verify:
+            calls.append((f"verify 1 + {args.verify}", [verify_call(r, args.verify) for r in runners]))
+        for _, pair in calls:  # loads the executables; a prompt or verify the bundles refuse fails here
+            for call, env in zip(pair, envs):
+                with environment(*env):
+                    call()
+    except (UserError, ValueError) as e:  # an unusable bundle or a length it refuses: the reason, exit 2
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
@@ -138,9 +150,6 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(title=f"decode step, {args.rounds} rounds of {args.steps} steps from position {args.position}")
     for col in ("batch", "old ms", "new ms", "new / old", "same logits"):
         table.add_column(col)
-    calls = [(f"prefill {n}", [prefill_call(r, n) for r in runners]) for n in args.prefill]
-    if args.verify:
-        calls.append((f"verify 1 + {args.verify}", [verify_call(r, args.verify) for r in runners]))
     for batch in batches:
         for r, env in zip(runners, envs):  # loads the executables
             with environment(*env):
@@ -157,9 +166,6 @@ def main(argv: list[str] | None = None) -> None:
         old, new = (statistics.median(t) * 1e3 for t in times)
         table.add_row(str(batch), f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
     for label, pair in calls:
-        for call, env in zip(pair, envs):  # loads the executables
-            with environment(*env):
-                call()
         times, same = [[], []], True
         for k in range(args.rounds):
             got = {}

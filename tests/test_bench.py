@@ -137,6 +137,13 @@ def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
     with pytest.raises(SystemExit) as missing:  # no traceback for a missing bundle: its reason, exit 2
         main([str(micro_bundle.path), str(micro_bundle.path) + "-missing"])
     assert missing.value.code == 2 and "missing" in capsys.readouterr().err
+    for bad, says in ((["--rounds", "0"], "--rounds must be >= 1"), (["--prefill", "0"], "--prefill must be >= 1"),
+                      (["--verify", "-1"], "--verify must be >= 0")):
+        with pytest.raises(SystemExit, match=says):
+            main([str(micro_bundle.path), str(micro_bundle.path), *bad])
+    with pytest.raises(SystemExit) as long:  # a prompt past the largest prefill bucket: the runner's reason
+        main([str(micro_bundle.path), str(micro_bundle.path), "--prefill", "100000"])
+    assert long.value.code == 2 and "100000 tokens" in capsys.readouterr().err
 
 
 def test_decode_ab_environment_sets_for_old_and_unsets_for_new(monkeypatch):
