@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         name, eq, value = args.old_env.partition("=")
         if not eq or not name:
             raise SystemExit(f"--old-env must be NAME=VALUE with a nonempty NAME, got {args.old_env!r}")
-    for flag, n, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--verify", args.verify, 0),
+    for flag, n, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--position", args.position, 0),
+                         ("--verify", args.verify, 0),
                          *(("--prefill", n, 1) for n in args.prefill)):
         if n < low:
             raise SystemExit(f"{flag} must be >= {low}, got {n}")
@@ -135,7 +136,11 @@ def main(argv: list[str] | None = None) -> None:
         runners = [Runner.load(args.old), Runner.load(args.new)]
         calls = [(f"prefill {n}", [prefill_call(r, n) for r in runners]) for n in args.prefill]
         if args.verify:
-            calls.append((f"verify 1 + {args.verify}", [verify_call(r, args.verify) for r in runners]))
+            pair = []
+            for r, env in zip(runners, envs):  # the prompt's prefill with the side's environment too
+                with environment(*env):
+                    pair.append(verify_call(r, args.verify))
+            calls.append((f"verify 1 + {args.verify}", pair))
         for _, pair in calls:  # loads the executables; a prompt or verify the bundles refuse fails here
             for call, env in zip(pair, envs):
                 with environment(*env):

@@ -51,6 +51,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -58,7 +59,7 @@ from unittest import mock
 import torch
 
 from .aoti_runtime import shared_runtime
-from .export import quiet_treespec_warning, size_oblivious
+from .export import CompileError, quiet_treespec_warning, size_oblivious
 
 BACKEND = "aot_inductor"
 DEFAULT_FLAGS: dict[str, Any] = {
@@ -79,9 +80,11 @@ INPUT_VIEWS = {torch.float8_e8m0fnu: torch.uint8}
 
 def effective_flags(overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """DEFAULT_FLAGS plus `cpp.threads` (this process's torch thread count: the thread count the
-    runtime uses by default, which Inductor's choice of parallel loops assumes), updated with
-    `overrides` (Inductor config keys), sorted by key."""
-    flags = {**DEFAULT_FLAGS, "cpp.threads": torch.get_num_threads()}
+    runtime uses by default, which Inductor's choice of parallel loops assumes; at least 2, since
+    at 1 Inductor would let every thread of a parallel region run the serial nests that follow a
+    parallel one instead of wrapping them in `omp single`), updated with `overrides` (Inductor
+    config keys), sorted by key."""
+    flags = {**DEFAULT_FLAGS, "cpp.threads": max(2, torch.get_num_threads())}
     flags.update(overrides or {})
     return dict(sorted(flags.items()))
 
@@ -102,21 +105,29 @@ def warm_up() -> threading.Thread:
     return thread
 
 
-_PATCH_LOCK = threading.Lock()  # Inductor's class attributes, patched by one compile at a time
+_PATCH_LOCK = threading.RLock()  # Inductor's class attributes, patched by one compile at a time
 
 
 @contextlib.contextmanager
 def rows_to_threads():
-    """Inductor's cpp codegen, patched for the duration of a compile in two choices it has no
-    option for:
+    """Inductor's cpp codegen, patched for the duration of a compile (process-wide: Inductor's
+    classes) in two choices it has no option for:
 
     - a loop nest's parallel loops are its outer (non-reduction) loops, never a reduction loop: a
       reduction split across threads adds per-thread partial sums, whose grouping depends on the
-      thread count at run time, where the cpu target's results may not (docs/numerics.md);
-    - a nest with fewer than `cpp.threads x cpp.min_chunk_size` elements (at the trace's sizes)
+      thread count at run time, where the cpu target's results may not (docs/numerics.md). Where
+      Inductor would move the threads onto a long reduction under few outer loops, they take the
+      outer loops instead;
+    - a nest with fewer than `cpp.threads x cpp.min_chunk_size` elements at the trace's sizes
       stays serial: with `cpp.dynamic_threads` Inductor otherwise makes every nest parallel however
-      small, and each OpenMP fork of a decode step's ~200 small kernels costs more than it saves.
-    """
+      small, and each OpenMP fork of a decode executable's small kernels costs more than it saves.
+      (A per-token executable is traced at its largest token count, so its nests go parallel
+      also where a decode step calls it with one token.)
+
+    Neither choice is in the compile cache's key (compiler/cache.py): a change to them must come
+    with a change of the flags or of the key's format. Stores that add atomically (Inductor's
+    scatter-add lowering) would make a parallel nest's sums order-dependent; `compile_cpu` refuses
+    an executable that has them."""
     from torch._inductor import config
     from torch._inductor.codegen.cpp import CppKernel, LoopNest, ParallelDepth
 
@@ -125,7 +136,10 @@ def rows_to_threads():
     def outer_loops_only(nest: LoopNest) -> ParallelDepth:
         depth = widest(nest)
         if depth.parallel_depth and nest.loops[depth.start_depth].is_reduction:
-            return ParallelDepth(parallel_depth=0, start_depth=0)
+            outer = 0
+            while outer < len(nest.loops) and not nest.loops[outer].is_reduction:
+                outer += 1
+            return ParallelDepth(parallel_depth=outer, start_depth=0)
         return depth
 
     def large_nests_only(kernel: CppKernel, depth: ParallelDepth, threads: int) -> ParallelDepth:
@@ -144,7 +158,8 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
     The package is built under its final file name in a private folder, because the archive's
     root folder is named after the file: the same graph then gives the same member names. The
     runtime objects the wrappers share (compiler/aoti_runtime.py) live in Inductor's cache folder
-    beside its precompiled headers, whose paths their keys take.
+    beside its precompiled headers, whose paths their keys take. Raises CompileError (nothing
+    written at `out`) when the generated kernels add atomically (`rows_to_threads`).
     """
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -153,4 +168,14 @@ def compile_cpu(program: torch.export.ExportedProgram, out: Path, flags: dict[st
         with quiet_treespec_warning(), size_oblivious(), rows_to_threads(), \
                 shared_runtime(Path(cache_dir()) / "dsneuron-aoti-runtime"):
             torch._inductor.aoti_compile_and_package(program, package_path=str(built), inductor_configs=dict(flags))
+        atomic = [n for n, text in kernel_sources(built).items() if "atomic_add" in text]
+        if atomic:
+            raise CompileError(f"{out.stem}: Inductor lowered a scatter-add to atomic adds ({atomic[0]}), whose "
+                               "order across threads would change the sums; use an ATen scatter-add or a custom op")
         os.replace(built, out)
+
+
+def kernel_sources(package: Path) -> dict[str, str]:
+    """{member name: text} of the generated kernel sources (`*.kernel.cpp`) in an AOTInductor package."""
+    with zipfile.ZipFile(package) as z:
+        return {n: z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp")}

@@ -3,12 +3,13 @@ reduction across threads, so an executable's bits do not depend on the thread co
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
-from dsneuron.compiler.backend_cpu import compile_cpu, effective_flags
+from dsneuron.compiler.backend_cpu import compile_cpu, effective_flags, kernel_sources
+from dsneuron.compiler.export import CompileError
 
 
 class _Glue(torch.nn.Module):
@@ -21,8 +22,7 @@ class _Glue(torch.nn.Module):
 
 
 def _kernel_source(package: Path) -> str:
-    with zipfile.ZipFile(package) as z:
-        return "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp"))
+    return "".join(kernel_sources(package).values())
 
 
 def _run(package: Path, threads: int, *args: torch.Tensor) -> list[torch.Tensor]:
@@ -70,3 +70,20 @@ def test_glue_runs_on_threads_and_its_reductions_do_not_depend_on_them(tmp_path,
     want = _Glue()(x, y)
     torch.testing.assert_close(one[2], want[2])
     torch.testing.assert_close(one[1], want[1], rtol=1e-5, atol=1e-3)
+
+
+class _ScatterAdd(torch.nn.Module):
+    def forward(self, x, idx, v):
+        return torch.index_put(x, (idx,), v, accumulate=True)
+
+
+def test_atomic_adds_are_refused(tmp_path, monkeypatch):
+    """A scatter-add that Inductor lowers to atomic adds (their order across threads would change
+    the sums): compile_cpu raises CompileError naming it and writes nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    args = (torch.zeros(64, 256), torch.randint(0, 64, (4096,)), torch.randn(4096, 256))
+    program = torch.export.export(_ScatterAdd(), args, strict=False)
+    with pytest.raises(CompileError, match="atomic adds"):
+        compile_cpu(program, tmp_path / "scatter.pt2", {**effective_flags(), "cpp.threads": 2})
+    assert not (tmp_path / "scatter.pt2").exists()
+

@@ -45,7 +45,9 @@ def _exported(fn, *args, modules=()) -> torch.export.ExportedProgram:
 def _inductor(program: torch.export.ExportedProgram):
     """The exported program compiled by Inductor with the cpu backend's flags and loop choices
     (torch.compile compiles at the first call, so every call runs under `rows_to_threads`)."""
-    compiled = torch.compile(program.module(), backend="inductor", options=effective_flags(), fullgraph=True)
+    # no FX graph cache: its key does not see rows_to_threads' patch
+    options = {**effective_flags(), "fx_graph_cache": False}
+    compiled = torch.compile(program.module(), backend="inductor", options=options, fullgraph=True)
 
     def call(*args):
         with rows_to_threads():
