@@ -13,8 +13,8 @@ every round is what keeps the ratio steady, so the ratio from one run is the fig
 --prefill N times, in the same alternating rounds, the prefill of one random N-token prompt (one
 call a round), and --verify K a speculative verify of 1 + K tokens after a 12-token prompt
 (`Runner.verify`, the drafter's target layers tapped; the bundles' model must have a DSpark
-drafter); each row also says whether the two gave the same logits. A prompt length or verify
-the bundles refuse exits 2 with their reason before anything is timed.
+drafter); each row also says whether the two gave the same logits. A position, prompt length or
+verify the bundles refuse exits 2 with their reason before anything is timed.
 --old-env NAME=VALUE sets an environment variable while the OLD side runs and unsets it while NEW
 runs: with the same bundle twice, an A/B of a kernel switch read at each call, such as
 DSNEURON_EXACT_NO_FOLD=1 (kernels_nki/cpu/gemm.cpp: the exact GEMV without scale folding). A
@@ -51,11 +51,11 @@ def decode_round(runner, batch: int, steps: int, position: int) -> tuple[float, 
     return statistics.median(seconds), logits
 
 
-def call_round(call) -> tuple[float, object]:
-    """One timed call of `call` (a prefill or a verify) -> (seconds, its logits)."""
+def call_round(call) -> tuple[float, list]:
+    """One timed call of `call` (a prefill or a verify) -> (seconds, [its logits]), as decode_round."""
     t0 = time.perf_counter()
     logits = call()
-    return time.perf_counter() - t0, logits
+    return time.perf_counter() - t0, [logits]
 
 
 def prefill_call(runner, n: int):
@@ -134,51 +134,40 @@ def main(argv: list[str] | None = None) -> None:
     envs = [(name, value), (name, None)]  # OLD with the variable, NEW without it
     try:
         runners = [Runner.load(args.old), Runner.load(args.new)]
-        calls = [(f"prefill {n}", [prefill_call(r, n) for r in runners]) for n in args.prefill]
+        batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
+        if not batches:
+            raise SystemExit(f"the bundles share no decode batch size ({runners[0].decode_batches} and "
+                             f"{runners[1].decode_batches})")
+        # one row a decode batch, prefill and verify: per side a round -> (seconds, [logits])
+        rows = [(str(b), [lambda r=r, b=b: decode_round(r, b, args.steps, args.position) for r in runners])
+                for b in batches]
+        rows += [(f"prefill {n}", [lambda c=prefill_call(r, n): call_round(c) for r in runners]) for n in args.prefill]
         if args.verify:
             pair = []
             for r, env in zip(runners, envs):  # the prompt's prefill with the side's environment too
                 with environment(*env):
-                    pair.append(verify_call(r, args.verify))
-            calls.append((f"verify 1 + {args.verify}", pair))
-        for _, pair in calls:  # loads the executables; a prompt or verify the bundles refuse fails here
-            for call, env in zip(pair, envs):
+                    pair.append(lambda c=verify_call(r, args.verify): call_round(c))
+            rows.append((f"verify 1 + {args.verify}", pair))
+        for _, pair in rows:  # loads the executables; a prompt or verify the bundles refuse fails here
+            for side, env in zip(pair, envs):
                 with environment(*env):
-                    call()
+                    side()
     except (UserError, ValueError) as e:  # an unusable bundle or a length it refuses: the reason, exit 2
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    batches = sorted(set(runners[0].decode_batches) & set(runners[1].decode_batches))
-    if not batches:
-        raise SystemExit(f"the bundles share no decode batch size ({runners[0].decode_batches} and "
-                         f"{runners[1].decode_batches})")
     table = Table(title=f"decode step, {args.rounds} rounds of {args.steps} steps from position {args.position}")
     for col in ("batch", "old ms", "new ms", "new / old", "same logits"):
         table.add_column(col)
-    for batch in batches:
-        for r, env in zip(runners, envs):  # loads the executables
-            with environment(*env):
-                decode_round(r, batch, 2, args.position)
+    for label, pair in rows:
         times: list[list[float]] = [[], []]
         same = True
         for k in range(args.rounds):
             got = {}
             for i in ((0, 1) if k % 2 == 0 else (1, 0)):
                 with environment(*envs[i]):
-                    seconds, got[i] = decode_round(runners[i], batch, args.steps, args.position)
+                    seconds, got[i] = pair[i]()
                 times[i].append(seconds)
             same = same and all(torch.equal(a, b) for a, b in zip(got[0], got[1]))
-        old, new = (statistics.median(t) * 1e3 for t in times)
-        table.add_row(str(batch), f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
-    for label, pair in calls:
-        times, same = [[], []], True
-        for k in range(args.rounds):
-            got = {}
-            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
-                with environment(*envs[i]):
-                    seconds, got[i] = call_round(pair[i])
-                times[i].append(seconds)
-            same = same and torch.equal(got[0], got[1])
         old, new = (statistics.median(t) * 1e3 for t in times)
         table.add_row(label, f"{old:.2f}", f"{new:.2f}", f"{new / old:.3f}", "yes" if same else "no")
     Console().print(table)

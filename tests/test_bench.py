@@ -142,7 +142,7 @@ def test_decode_ab_puts_two_bundles_side_by_side(micro_bundle, capsys):
         with pytest.raises(SystemExit, match=says):
             main([str(micro_bundle.path), str(micro_bundle.path), *bad])
     with pytest.raises(SystemExit) as long:  # a prompt past the largest prefill bucket: the runner's reason
-        main([str(micro_bundle.path), str(micro_bundle.path), "--prefill", "100000"])
+        main([str(micro_bundle.path), str(micro_bundle.path), "--position", "5", "--prefill", "100000"])
     assert long.value.code == 2 and "100000 tokens" in capsys.readouterr().err
 
 
